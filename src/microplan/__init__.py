@@ -1,0 +1,29 @@
+"""microplan: exact, balanced, deadlock-free data layout for distributed LLM RL training.
+
+Plan which optimizer step, data-parallel rank, micro-batch, context-parallel group and loss
+weight every sample of an RL step gets — deterministically, from the global lengths alone::
+
+    import microplan as mp
+    batch = mp.Batch(seq_lens, prompt_ids=uids)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=8, max_tokens_per_micro=16384,
+                                        steps=mp.Steps(prompts_per_step=32)))
+    for micro in plan.rank(rank)[step]: ...
+
+The core depends on numpy only; ``microplan.torch`` adds packing, loss and collectives.
+"""
+
+from .batch import Batch
+from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
+from .cost import CostModel, FlopsCost, TokenCost
+from .errors import PlanError
+from .plan import Plan
+from .planner import plan
+from .types import Micro, PlanStats, Step, StepStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
+    "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
+    "StepStats", "PlanError", "__version__",
+]

@@ -1,0 +1,199 @@
+"""The global batch of one RL training step: per-sample lengths and the group structure.
+
+A :class:`Batch` is what every rank must agree on before planning: the packed length of each
+sample, how many of its tokens carry loss, and which prompt (GRPO group) and rollout (the turns
+of one step-wise trajectory) it belongs to. Ids are normalised to dense codes in order of first
+appearance, so ``[7, 7, 3]`` and ``["b", "b", "a"]`` describe the same structure.
+
+Validation happens once, here: lengths are ints >= 1, ``0 <= loss_tokens <= seq_lens``, arrays
+agree in length, and a rollout never spans two prompts. Everything downstream trusts it.
+Cost: O(n) numpy work plus an O(n) dict pass for non-integer ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ._checks import int_array
+from .errors import PlanError
+
+__all__ = ["Batch"]
+
+
+def _factorize(name: str, ids: Any, n: int) -> tuple[np.ndarray, list[Any]]:
+    """Dense codes in order of first appearance, plus the distinct ids in that order."""
+    if isinstance(ids, np.ndarray) and ids.ndim != 1:
+        raise PlanError(f"{name} must be 1-D, got shape {ids.shape}.")
+    values = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+    if len(values) != n:
+        raise PlanError(f"{name} has {len(values)} entries but seq_lens has {n}; pass one id per sample.")
+    codes = np.empty(n, dtype=np.int64)
+    seen: dict[Hashable, int] = {}
+    for i, v in enumerate(values):
+        if isinstance(v, float) and v != v:
+            raise PlanError(f"{name}[{i}] is NaN; ids must be ints or strings.")
+        if not isinstance(v, (int, str, np.integer)) or isinstance(v, bool):
+            raise PlanError(f"{name}[{i}]={v!r} must be an int or a string.")
+        codes[i] = seen.setdefault(v, len(seen))
+    return codes, list(seen)
+
+
+class Batch:
+    """Per-sample lengths and group ids of one training batch (binding API).
+
+    Args:
+        seq_lens: tokens each sample occupies when packed (prompt + response); ints >= 1.
+        loss_tokens: tokens of each sample that carry loss (the response-mask sum),
+            ``0 <= loss_tokens <= seq_lens``. Default: ``seq_lens - prompt_lens`` when
+            ``prompt_lens`` is given, else ``seq_lens``.
+        prompt_lens: prompt tokens per sample, ``0 <= prompt_lens <= seq_lens`` (optional).
+        prompt_ids: one id (int or str) per sample; samples sharing it come from one prompt
+            (a GRPO group). Default: each rollout is its own prompt.
+        rollout_ids: one id per sample; samples sharing it are one rollout (the turns of a
+            step-wise trajectory). A rollout belongs to exactly one prompt and never spans two
+            optimizer steps. Default: every sample is its own rollout.
+
+    Attributes:
+        prompt_codes / rollout_codes: int64 dense codes (0, 1, ...) in order of first appearance.
+        num_samples, num_prompts, num_rollouts, total_tokens.
+    """
+
+    __slots__ = ("seq_lens", "loss_tokens", "prompt_lens", "prompt_codes", "rollout_codes",
+                 "prompt_ids", "rollout_ids")
+
+    def __init__(self, seq_lens: Sequence[int] | np.ndarray, *,
+                 loss_tokens: Sequence[int] | np.ndarray | None = None,
+                 prompt_lens: Sequence[int] | np.ndarray | None = None,
+                 prompt_ids: Sequence[Any] | np.ndarray | None = None,
+                 rollout_ids: Sequence[Any] | np.ndarray | None = None) -> None:
+        lens = int_array("seq_lens", seq_lens, minimum=1)
+        n = lens.size
+        plens = None
+        if prompt_lens is not None:
+            plens = int_array("prompt_lens", prompt_lens, minimum=0)
+            _same_length("prompt_lens", plens, n)
+            over = plens > lens
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise PlanError(f"prompt_lens[{i}]={plens[i]} exceeds seq_lens[{i}]={lens[i]}; "
+                                "seq_lens counts prompt + response tokens.")
+        if loss_tokens is None:
+            lt = lens - plens if plens is not None else lens.copy()
+            lt.setflags(write=False)
+        else:
+            lt = int_array("loss_tokens", loss_tokens, minimum=0)
+            _same_length("loss_tokens", lt, n)
+            over = lt > lens
+            if over.any():
+                i = int(np.flatnonzero(over)[0])
+                raise PlanError(f"loss_tokens[{i}]={lt[i]} exceeds seq_lens[{i}]={lens[i]}; a sample "
+                                "cannot carry loss on more tokens than it has.")
+        if rollout_ids is None:
+            rcodes, rids = np.arange(n, dtype=np.int64), None
+        else:
+            rcodes, rlist = _factorize("rollout_ids", rollout_ids, n)
+            rids = _id_list(rollout_ids)
+        if prompt_ids is None:
+            pcodes, pids = rcodes.copy(), None
+        else:
+            pcodes, _ = _factorize("prompt_ids", prompt_ids, n)
+            pids = _id_list(prompt_ids)
+            _check_rollouts_in_one_prompt(rcodes, pcodes, rollout_ids)
+        for a in (rcodes, pcodes):
+            a.setflags(write=False)
+        self.seq_lens = lens
+        self.loss_tokens = lt
+        self.prompt_lens = plens
+        self.prompt_codes = pcodes
+        self.rollout_codes = rcodes
+        self.prompt_ids = pids
+        self.rollout_ids = rids
+
+    # -- derived sizes -------------------------------------------------------------------
+    @property
+    def num_samples(self) -> int:
+        return int(self.seq_lens.size)
+
+    @property
+    def num_prompts(self) -> int:
+        return int(self.prompt_codes.max()) + 1 if self.num_samples else 0
+
+    @property
+    def num_rollouts(self) -> int:
+        return int(self.rollout_codes.max()) + 1 if self.num_samples else 0
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.seq_lens.sum())
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Batch):
+            return NotImplemented
+        return (np.array_equal(self.seq_lens, other.seq_lens)
+                and np.array_equal(self.loss_tokens, other.loss_tokens)
+                and _opt_equal(self.prompt_lens, other.prompt_lens)
+                and np.array_equal(self.prompt_codes, other.prompt_codes)
+                and np.array_equal(self.rollout_codes, other.rollout_codes)
+                and self.prompt_ids == other.prompt_ids
+                and self.rollout_ids == other.rollout_ids)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Batch(num_samples={self.num_samples}, total_tokens={self.total_tokens}, "
+                f"num_prompts={self.num_prompts}, num_rollouts={self.num_rollouts})")
+
+    # -- serialisation -------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch."""
+        return {
+            "seq_lens": self.seq_lens.tolist(),
+            "loss_tokens": self.loss_tokens.tolist(),
+            "prompt_lens": None if self.prompt_lens is None else self.prompt_lens.tolist(),
+            "prompt_ids": self.prompt_ids,
+            "rollout_ids": self.rollout_ids,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Batch:
+        return cls(np.asarray(d["seq_lens"], dtype=np.int64),
+                   loss_tokens=np.asarray(d["loss_tokens"], dtype=np.int64),
+                   prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
+                   rollout_ids=d.get("rollout_ids"))
+
+
+def _same_length(name: str, arr: np.ndarray, n: int) -> None:
+    if arr.size != n:
+        raise PlanError(f"{name} has {arr.size} entries but seq_lens has {n}; pass one value per sample.")
+
+
+def _opt_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return np.array_equal(a, b)
+
+
+def _id_list(ids: Any) -> list[Any]:
+    """The ids as plain Python ints/strings (JSON-ready, comparable)."""
+    values = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+    return [int(v) if isinstance(v, (int, np.integer)) else str(v) for v in values]
+
+
+def _check_rollouts_in_one_prompt(rcodes: np.ndarray, pcodes: np.ndarray, rollout_ids: Any) -> None:
+    if rcodes.size == 0:
+        return
+    _, first_idx = np.unique(rcodes, return_index=True)
+    first = pcodes[first_idx]  # prompt of each rollout's first sample (codes are dense)
+    bad = first[rcodes] != pcodes
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        rid = list(rollout_ids)[i]
+        raise PlanError(f"rollout {rid!r} spans two prompts (sample {i} has another prompt id than "
+                        "the rollout's first sample); a rollout must belong to exactly one prompt — "
+                        "fix prompt_ids or rollout_ids.")

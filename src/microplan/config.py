@@ -1,0 +1,257 @@
+"""Configuration: how a batch is cut into optimizer steps, packed, spread over ranks and weighed.
+
+All configs are frozen, keyword-only dataclasses validated in ``__post_init__``; every refusal
+is a :class:`PlanError` naming the field, the constraint and the fix. Units are in the names:
+``max_tokens_per_micro`` is tokens per GPU per micro-batch, ``micro_batch_size`` is samples.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from ._checks import float_field, int_field
+from .cost import CostModel, FlopsCost, TokenCost, cost_from_dict
+from .errors import PlanError
+
+__all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
+
+LOSS_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+              "seq-mean-token-sum-norm", "prompt-mean", "rollout-mean")
+LossMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                   "seq-mean-token-sum-norm", "prompt-mean", "rollout-mean"]
+ShortStep = Literal["pad", "drop", "error"]
+Sync = Literal["micro", "step"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Steps:
+    """How the batch splits into optimizer steps (mini-batches). Give exactly one field.
+
+    Attributes:
+        num_steps: exactly this many steps; prompts are dealt in order, as evenly as possible
+            (step sizes differ by at most one prompt). Nothing is dropped.
+        prompts_per_step: each step holds this many whole prompts (GRPO groups), whatever the
+            number of samples they produced (step-wise trajectories). Trailing prompts that do
+            not fill a step are dropped and reported.
+        rollouts_per_step: each step holds this many whole rollouts. A prompt group may not be
+            cut by a step boundary (PlanError names it). Trailing rollouts that do not fill a
+            step are dropped and reported.
+    """
+
+    num_steps: int | None = None
+    prompts_per_step: int | None = None
+    rollouts_per_step: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("num_steps", "prompts_per_step", "rollouts_per_step") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise PlanError(f"Steps needs exactly one of num_steps, prompts_per_step, rollouts_per_step; "
+                            f"got {given or 'none'}.")
+        name = given[0]
+        object.__setattr__(self, name, int_field(f"Steps.{name}", getattr(self, name), minimum=1))
+
+    @property
+    def unit(self) -> str:
+        return "steps" if self.num_steps is not None else ("prompts" if self.prompts_per_step is not None else "rollouts")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"num_steps": self.num_steps, "prompts_per_step": self.prompts_per_step,
+                "rollouts_per_step": self.rollouts_per_step}
+
+
+@dataclass(frozen=True)
+class Loss:
+    """The loss objective of a step and the engine's gradient conventions.
+
+    Attributes:
+        mode: one of ``LOSS_MODES`` (see docs/loss.md for each objective).
+        grad_reduction: ``"mean"`` when the engine averages gradients over the W ranks of the
+            DP (×CP) plane (DDP, FSDP, Megatron), ``"sum"`` when it sums them.
+        engine_divides_by_micro_count: True when the engine divides each micro-batch loss by the
+            step's micro-batch count K before backward (Megatron's forward_backward_func).
+        norm_constant: H of ``seq-mean-token-sum-norm`` (e.g. the max response length); required
+            for that mode, refused for the others.
+    """
+
+    mode: LossMode = "token-mean"
+    grad_reduction: Literal["mean", "sum"] = field(default="mean", kw_only=True)
+    engine_divides_by_micro_count: bool = field(default=False, kw_only=True)
+    norm_constant: float | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        if self.mode not in LOSS_MODES:
+            raise PlanError(f"Loss.mode={self.mode!r} is not a known mode; choose one of {', '.join(LOSS_MODES)}.")
+        if self.grad_reduction not in ("mean", "sum"):
+            raise PlanError(f"Loss.grad_reduction={self.grad_reduction!r} must be 'mean' (DDP/FSDP average "
+                            "gradients over ranks) or 'sum'.")
+        if not isinstance(self.engine_divides_by_micro_count, bool):
+            raise PlanError("Loss.engine_divides_by_micro_count must be a bool.")
+        if self.mode == "seq-mean-token-sum-norm":
+            if self.norm_constant is None:
+                raise PlanError("Loss mode 'seq-mean-token-sum-norm' needs norm_constant (H, e.g. the max "
+                                "response length): pass Loss('seq-mean-token-sum-norm', norm_constant=H).")
+            object.__setattr__(self, "norm_constant",
+                               float_field("Loss.norm_constant", self.norm_constant, positive=True))
+        elif self.norm_constant is not None:
+            raise PlanError(f"Loss.norm_constant is only used by 'seq-mean-token-sum-norm', not {self.mode!r}; "
+                            "drop it or change the mode.")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "grad_reduction": self.grad_reduction,
+                "engine_divides_by_micro_count": self.engine_divides_by_micro_count,
+                "norm_constant": self.norm_constant}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Loss:
+        return cls(d["mode"], grad_reduction=d["grad_reduction"],
+                   engine_divides_by_micro_count=d["engine_divides_by_micro_count"],
+                   norm_constant=d["norm_constant"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContextParallel:
+    """Context parallelism. Give exactly one field.
+
+    Attributes:
+        size: a fixed CP degree c: each of the ``dp_size`` DP ranks is a group of c GPUs and a
+            micro-batch may hold up to ``c × max_tokens_per_micro`` tokens. W = dp_size × c.
+        max_size: dynamic CP: ``dp_size`` counts every GPU of the DP×CP plane; in each micro
+            slot the plane is cut into power-of-two CP groups of at most ``max_size`` GPUs, sized
+            per micro-batch so no GPU holds more than ``max_tokens_per_micro`` tokens.
+            W = dp_size (every rank of the plane).
+    """
+
+    size: int | None = None
+    max_size: int | None = None
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("size", "max_size") if getattr(self, n) is not None]
+        if len(given) != 1:
+            raise PlanError(f"ContextParallel needs exactly one of size (fixed) or max_size (dynamic); got {given or 'none'}.")
+        name = given[0]
+        v = int_field(f"ContextParallel.{name}", getattr(self, name), minimum=1)
+        if name == "max_size" and v & (v - 1):
+            raise PlanError(f"ContextParallel.max_size={v} must be a power of two (1, 2, 4, ...).")
+        object.__setattr__(self, name, v)
+
+    @property
+    def dynamic(self) -> bool:
+        return self.max_size is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "max_size": self.max_size}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanConfig:
+    """Everything the planner needs besides the batch (binding API).
+
+    Attributes:
+        dp_size: data-parallel ranks (with dynamic CP: every GPU of the DP×CP plane).
+        max_tokens_per_micro: dynamic batching: the most tokens ONE GPU processes in one
+            micro-batch (sum of ``seq_lens``; a micro-batch over a CP group of c GPUs may hold
+            c × this). Exactly one of this and ``micro_batch_size``.
+        micro_batch_size: static batching: at most this many samples per micro-batch.
+        steps: a :class:`Steps`; None means one step holding every sample.
+        align: micro-batches per rank per step must be a multiple of this (Megatron's
+            ``microbatch_group_size_per_vp_stage`` under virtual pipeline parallelism).
+        short_step: when a step cannot give every rank ``align``-aligned non-empty
+            micro-batches: ``"pad"`` adds placeholder micro-batches, ``"drop"`` drops the fewest
+            trailing rollouts (reported in ``Plan.dropped``), ``"error"`` raises PlanError.
+        cost: cost model for balancing and predicted times (default ``TokenCost()``).
+        sync: ``"micro"`` when ranks meet at every micro-batch (FSDP/ZeRO-3, pipelines) — the
+            planner minimises Σ_m max_r cost; ``"step"`` when they meet once per step (DDP with
+            no_sync) — it minimises max_r Σ_m cost.
+        loss: a :class:`Loss` (default ``Loss("token-mean")``).
+        context_parallel: a :class:`ContextParallel`, or None for none.
+        seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+    """
+
+    dp_size: int
+    max_tokens_per_micro: int | None = None
+    micro_batch_size: int | None = None
+    steps: Steps | None = None
+    align: int = 1
+    short_step: ShortStep = "pad"
+    cost: CostModel | None = None
+    sync: Sync = "micro"
+    loss: Loss | None = None
+    context_parallel: ContextParallel | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
+        set_("dp_size", int_field("PlanConfig.dp_size", self.dp_size, minimum=1))
+        if (self.max_tokens_per_micro is None) == (self.micro_batch_size is None):
+            raise PlanError("PlanConfig needs exactly one of max_tokens_per_micro (dynamic batching, tokens per "
+                            "GPU) and micro_batch_size (static batching, samples per micro-batch).")
+        if self.max_tokens_per_micro is not None:
+            set_("max_tokens_per_micro", int_field("PlanConfig.max_tokens_per_micro", self.max_tokens_per_micro, minimum=1))
+        else:
+            set_("micro_batch_size", int_field("PlanConfig.micro_batch_size", self.micro_batch_size, minimum=1))
+        if self.steps is not None and not isinstance(self.steps, Steps):
+            raise PlanError(f"PlanConfig.steps must be a microplan.Steps or None, got {type(self.steps).__name__}; "
+                            "e.g. Steps(prompts_per_step=32).")
+        set_("align", int_field("PlanConfig.align", self.align, minimum=1))
+        if self.short_step not in ("pad", "drop", "error"):
+            raise PlanError(f"PlanConfig.short_step={self.short_step!r} must be 'pad', 'drop' or 'error'.")
+        if self.cost is None:
+            set_("cost", TokenCost())
+        elif not isinstance(self.cost, CostModel):
+            raise PlanError(f"PlanConfig.cost must be a cost model (TokenCost(), FlopsCost(...)), got {self.cost!r}.")
+        if self.sync not in ("micro", "step"):
+            raise PlanError(f"PlanConfig.sync={self.sync!r} must be 'micro' (ranks meet every micro-batch: "
+                            "FSDP/ZeRO-3, pipelines) or 'step' (DDP with no_sync).")
+        if self.loss is None:
+            set_("loss", Loss("token-mean"))
+        elif not isinstance(self.loss, Loss):
+            raise PlanError(f"PlanConfig.loss must be a microplan.Loss, got {self.loss!r}; e.g. Loss('token-mean').")
+        cp = self.context_parallel
+        if cp is not None:
+            if not isinstance(cp, ContextParallel):
+                raise PlanError("PlanConfig.context_parallel must be a microplan.ContextParallel or None.")
+            if self.max_tokens_per_micro is None:
+                raise PlanError("context_parallel needs dynamic batching: set max_tokens_per_micro, not micro_batch_size.")
+            if cp.dynamic and cp.max_size > self.dp_size:  # type: ignore[operator]
+                raise PlanError(f"ContextParallel.max_size={cp.max_size} exceeds dp_size={self.dp_size} (the GPUs of "
+                                "the DP×CP plane); lower max_size or raise dp_size.")
+        set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def dynamic(self) -> bool:
+        """True for token-capped (dynamic) batching, False for fixed ``micro_batch_size``."""
+        return self.max_tokens_per_micro is not None
+
+    @property
+    def static_cp_size(self) -> int:
+        cp = self.context_parallel
+        return cp.size if cp is not None and cp.size is not None else 1
+
+    @property
+    def grad_world(self) -> int:
+        """W: ranks whose gradients are averaged under ``grad_reduction='mean'``."""
+        return self.dp_size * self.static_cp_size
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dp_size": self.dp_size, "max_tokens_per_micro": self.max_tokens_per_micro,
+            "micro_batch_size": self.micro_batch_size,
+            "steps": None if self.steps is None else self.steps.to_dict(),
+            "align": self.align, "short_step": self.short_step,
+            "cost": self.cost.to_dict(), "sync": self.sync,  # type: ignore[union-attr]
+            "loss": self.loss.to_dict(),  # type: ignore[union-attr]
+            "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
+            "seed": self.seed,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlanConfig:
+        return cls(dp_size=d["dp_size"], max_tokens_per_micro=d["max_tokens_per_micro"],
+                   micro_batch_size=d["micro_batch_size"],
+                   steps=None if d["steps"] is None else Steps(**d["steps"]),
+                   align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
+                   sync=d["sync"], loss=Loss.from_dict(d["loss"]),
+                   context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
+                   seed=d["seed"])

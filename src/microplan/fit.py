@@ -1,0 +1,137 @@
+"""Fit one step onto the ranks: choose K, pack real micro-batches, apply ``short_step``.
+
+Design note. K (micro-batches per rank) starts at its lower bound — ⌈bins_lb / dp⌉ rounded up
+to ``align``, where bins_lb = max(⌈tokens / cap⌉, #samples longer than cap/2) — and grows by
+``align`` until the packer fills all ``dp·K`` micro-batches under the cap. Splitting never
+needs a separate pass: the packer targets the exact bin count. When a step has too few samples
+to give every rank K non-empty micro-batches (long samples sit alone, or fewer samples than
+ranks), ``short_step`` decides: ``pad`` adds the fewest placeholder micro-batches (using as
+many real ones as there are samples), ``drop`` drops the fewest whole trailing rollouts until
+no placeholder is needed (the slime fix; raises when no prefix of at least dp·align samples
+works), ``error`` raises. Every refusal is a PlanError naming the step, the counts and the
+settings to change. Cost: one packing per K tried (usually one).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from .config import PlanConfig
+from .errors import PlanError
+from .pack import bins_lower_bound, lpt_pack, round_robin_pack
+
+__all__ = ["StepFit", "fit_step"]
+
+
+class StepFit(NamedTuple):
+    """Result for one step; positions are local (into the step's sample array)."""
+
+    bin_of: np.ndarray        # bin id of each kept sample (aligned with ``kept``)
+    kept: np.ndarray          # local positions that train
+    dropped: np.ndarray       # local positions dropped by short_step="drop"
+    num_bins: int             # real (non-placeholder) micro-batches
+    micro_count: int          # K per rank; dp·K - num_bins placeholders
+
+
+def _cdiv(x, d):  # ceil division for ints and int arrays
+    return -(-x // d)
+
+
+def _round_up(x, a):
+    return _cdiv(x, a) * a
+
+
+def effective_cap(cfg: PlanConfig) -> int | None:
+    """Tokens one micro-batch may hold: cap × static CP degree (None for static batching)."""
+    if cfg.max_tokens_per_micro is None:
+        return None
+    return cfg.max_tokens_per_micro * cfg.static_cp_size
+
+
+def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, int, int]:
+    """(bin_of, num_bins, K) with the smallest K found; num_bins < dp·K means placeholders."""
+    D, a, n = cfg.dp_size, cfg.align, lens.size
+    if cfg.micro_batch_size is not None:
+        K = _round_up(_cdiv(_cdiv(n, cfg.micro_batch_size), D), a)
+        m = min(n, D * K)
+        return round_robin_pack(costs, m), m, K
+    cap = effective_cap(cfg)
+    assert cap is not None
+    K = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
+    while True:
+        m = min(n, D * K)
+        bin_of = lpt_pack(lens, costs, m, cap)
+        if bin_of is not None:
+            return bin_of, m, K
+        K += a  # m == n always packs (one sample per bin), so this terminates
+
+
+def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
+    cap = effective_cap(cfg)
+    if cap is None or lens.size == 0 or lens.max() <= cap:
+        return
+    j = int(np.argmax(lens))
+    cp = cfg.static_cp_size
+    where = f"max_tokens_per_micro={cfg.max_tokens_per_micro}" + (f" × cp size {cp}" if cp > 1 else "")
+    raise PlanError(f"sample {int(step_samples[j])} has {int(lens[j])} tokens, more than one micro-batch may "
+                    f"hold ({where} = {cap}); raise max_tokens_per_micro, enable context_parallel, or truncate "
+                    "the sample.")
+
+
+def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray,
+             rollouts: np.ndarray, cfg: PlanConfig) -> StepFit:
+    """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes)."""
+    _check_cap(lens, samples, cfg)
+    bin_of, m, K = _pack(lens, costs, cfg)
+    all_pos = np.arange(lens.size, dtype=np.int64)
+    none = np.zeros(0, dtype=np.int64)
+    if m == cfg.dp_size * K or cfg.short_step == "pad":
+        return StepFit(bin_of, all_pos, none, m, K)
+    if cfg.short_step == "drop":
+        return _drop_trailing(step, lens, costs, rollouts, cfg)
+    raise PlanError(_short_message(step, lens.size, K, cfg)
+                    + " Set short_step='pad' (placeholder micro-batches) or 'drop' (drop trailing rollouts), "
+                    "or change the step size (Steps), max_tokens_per_micro or align.")
+
+
+def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.ndarray,
+                   cfg: PlanConfig) -> StepFit:
+    """Keep the longest prefix of whole rollouts that needs no placeholder."""
+    D, a = cfg.dp_size, cfg.align
+    codes, inverse = np.unique(rollouts, return_inverse=True)  # codes ascend in first-appearance order
+    R = codes.size
+    n_r = np.bincount(inverse, minlength=R)
+    kept_n = np.cumsum(n_r)
+    if cfg.micro_batch_size is not None:
+        m_lb = _cdiv(kept_n, cfg.micro_batch_size)
+    else:
+        cap = effective_cap(cfg)
+        assert cap is not None
+        tok = np.cumsum(np.bincount(inverse, weights=lens, minlength=R))
+        big = np.cumsum(np.bincount(inverse, weights=2 * lens > cap, minlength=R))
+        m_lb = np.maximum(np.maximum(np.ceil(tok / cap), big), 1).astype(np.int64)
+    K_lb = _round_up(_cdiv(m_lb, D), a)
+    for keep in range(R - 1, 0, -1):  # keep = number of rollouts kept
+        n_keep = int(kept_n[keep - 1])
+        if n_keep < D * a:
+            break
+        if D * int(K_lb[keep - 1]) > n_keep:
+            continue
+        pos = np.flatnonzero(inverse < keep).astype(np.int64)
+        bin_of, m, K = _pack(lens[pos], costs[pos], cfg)
+        if m == D * K:
+            return StepFit(bin_of, pos, np.flatnonzero(inverse >= keep).astype(np.int64), m, K)
+    raise PlanError(_short_message(step, lens.size, None, cfg)
+                    + f" short_step='drop' found no prefix of whole rollouts (of {R}) whose samples fill "
+                    f"dp_size × align = {D * a}-aligned micro-batches. Change the step size (Steps) or samples per "
+                    "rollout so a kept prefix aligns, raise max_tokens_per_micro, or use short_step='pad'.")
+
+
+def _short_message(step: int, n: int, K: int | None, cfg: PlanConfig) -> str:
+    D, a = cfg.dp_size, cfg.align
+    target = f"the aligned target is {D * K} micro-batches (dp_size={D} × {K} per rank, align={a})" if K else \
+        f"the micro-batch count must be a multiple of dp_size × align = {D} × {a} = {D * a}"
+    return (f"step {step}: {n} samples cannot fill every rank with non-empty micro-batches: {target}, but the "
+            "samples cannot be split into that many micro-batches.")

@@ -1,0 +1,141 @@
+"""The Plan: a global, deterministic, JSON-serialisable layout every rank can recompute.
+
+``Plan`` holds the batch and config it was made from, so it can re-check itself
+(:meth:`Plan.validate`), round-trip through JSON exactly (:meth:`to_json`/:meth:`from_json`) and
+hash itself (:meth:`fingerprint`, SHA-256 of the canonical JSON: identical on every rank and
+process that planned the same inputs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+
+from .batch import Batch
+from .config import PlanConfig
+from .errors import PlanError
+from .types import Micro, PlanStats, Step
+
+__all__ = ["Plan", "FORMAT", "VERSION"]
+
+FORMAT = "microplan.plan"
+VERSION = 1
+
+
+class Plan:
+    """The layout of one batch (binding API).
+
+    Attributes:
+        steps: list of :class:`Step`; ``steps[s].micros[rank][m]`` is a :class:`Micro`.
+        dropped: int64 sorted global indices of samples that train in no step.
+        drop_reasons: ``{sample index: reason}`` for every dropped sample.
+        batch, config: the inputs the plan was made from.
+    """
+
+    def __init__(self, *, batch: Batch, config: PlanConfig, steps: list[Step],
+                 dropped: np.ndarray, drop_reasons: dict[int, str]) -> None:
+        self.batch = batch
+        self.config = config
+        self.steps = list(steps)
+        d = np.array(sorted(int(i) for i in dropped), dtype=np.int64)
+        d.setflags(write=False)
+        self.dropped = d
+        self.drop_reasons = {int(k): str(v) for k, v in sorted(drop_reasons.items())}
+
+    # -- views ---------------------------------------------------------------------------------
+    def rank(self, r: int) -> list[tuple[Micro, ...]]:
+        """Rank ``r``'s micro-batches, step by step: ``plan.rank(r)[s][m]``."""
+        if not 0 <= r < self.config.dp_size:
+            raise PlanError(f"rank {r} is outside 0..{self.config.dp_size - 1} (dp_size={self.config.dp_size}).")
+        return [step.micros[r] for step in self.steps]
+
+    @cached_property
+    def stats(self) -> PlanStats:
+        """Predicted times, bounds and counts (computed once, on first access)."""
+        from .stats import compute_stats
+        return compute_stats(self)
+
+    def validate(self) -> None:
+        """Re-check every invariant of DESIGN.md; raise PlanError naming the first violation."""
+        from .validate import validate_plan
+        validate_plan(self)
+
+    # -- equality and serialisation --------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Plan):
+            return NotImplemented
+        return (self.config == other.config and self.batch == other.batch and self.steps == other.steps
+                and np.array_equal(self.dropped, other.dropped) and self.drop_reasons == other.drop_reasons)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Plan(steps={len(self.steps)}, dp_size={self.config.dp_size}, samples={self.batch.num_samples}, "
+                f"dropped={self.dropped.size})")
+
+    def to_dict(self) -> dict[str, Any]:
+        reasons: dict[str, list[int]] = {}
+        for i, why in self.drop_reasons.items():
+            reasons.setdefault(why, []).append(i)
+        return {
+            "format": FORMAT, "version": VERSION,
+            "batch": self.batch.to_dict(), "config": self.config.to_dict(),
+            "steps": [[[m.to_dict() for m in row] for row in step.micros] for step in self.steps],
+            "dropped": self.dropped.tolist(),
+            "drop_reasons": [[why, idx] for why, idx in reasons.items()],
+        }
+
+    def to_json(self, *, indent: int | None = None) -> str:
+        """Canonical JSON (sorted keys); ``from_json(p.to_json()) == p`` exactly."""
+        sep = (",", ":") if indent is None else (",", ": ")
+        return json.dumps(self.to_dict(), sort_keys=True, separators=sep, indent=indent, allow_nan=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise PlanError(f"not a microplan plan: expected a JSON object with format={FORMAT!r}.")
+        if d.get("version") != VERSION:
+            raise PlanError(f"plan format version {d.get('version')!r} is not supported (this microplan reads "
+                            f"version {VERSION}); re-plan with this version.")
+        try:
+            batch = Batch.from_dict(d["batch"])
+            config = PlanConfig.from_dict(d["config"])
+            lens, lt = batch.seq_lens, batch.loss_tokens
+            steps = []
+            for s, rows in enumerate(d["steps"]):
+                micros = [[_micro_from_dict(m, lens, lt) for m in row] for row in rows]
+                idx = [m.indices for row in micros for m in row if m.cp_rank == 0]
+                samples = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
+                steps.append(Step(s, micros, samples))
+            reasons = {int(i): why for why, idx in d["drop_reasons"] for i in idx}
+            return cls(batch=batch, config=config, steps=steps,
+                       dropped=np.asarray(d["dropped"], dtype=np.int64), drop_reasons=reasons)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise PlanError(f"malformed plan JSON: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of :meth:`to_json`. Raises PlanError on malformed input."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"plan is not valid JSON: {exc}") from None
+        return cls.from_dict(d)
+
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of the canonical JSON: equal plans give equal fingerprints anywhere."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _micro_from_dict(m: dict[str, Any], lens: np.ndarray, lt: np.ndarray) -> Micro:
+    idx = np.asarray(m["indices"], dtype=np.int64)
+    if idx.size and (idx.min() < 0 or idx.max() >= lens.size):
+        raise PlanError(f"plan JSON names sample {int(idx.max())} but the batch has {lens.size} samples.")
+    return Micro(idx, lens[idx], lt[idx], np.asarray(m["loss_scale"], dtype=np.float64),
+                 cp_size=m["cp_size"], cp_rank=m["cp_rank"], cp_group=tuple(m["cp_group"]))

@@ -1,0 +1,190 @@
+"""The plan's value types: Micro, Step, PlanStats (Plan lives in plan.py).
+
+A :class:`Micro` carries everything a rank needs to pack and weigh one micro-batch: global
+sample indices in execution order, their lengths and loss-token counts, and per-sample loss
+scales. Arrays are int64/float64, read-only, and aligned with ``indices``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Micro", "Step", "StepStats", "PlanStats"]
+
+
+def _ro(a: Any, dtype: Any) -> np.ndarray:
+    arr = np.array(a, dtype=dtype, copy=True).reshape(-1)
+    arr.setflags(write=False)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class Micro:
+    """One micro-batch on one rank (binding API).
+
+    Attributes:
+        indices: int64 global sample indices in execution order; empty only for a placeholder.
+        seq_lens: int64 packed length of each sample (aligned with ``indices``).
+        loss_tokens: int64 loss-carrying tokens of each sample.
+        loss_scale: float64 per-sample loss scale (see docs/loss.md); multiply each sample's
+            per-token loss sum by it, sum over the micro-batch, and call backward.
+        cp_size: GPUs that process this micro-batch together (1 without context parallel).
+        cp_rank: this rank's position in its CP group (0 .. cp_size-1; 0 without dynamic CP).
+        cp_group: the plan ranks that share this micro-batch under dynamic CP, in CP-rank order;
+            ``(rank,)`` otherwise.
+    """
+
+    indices: np.ndarray
+    seq_lens: np.ndarray
+    loss_tokens: np.ndarray
+    loss_scale: np.ndarray
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: tuple[int, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "indices", _ro(self.indices, np.int64))
+        object.__setattr__(self, "seq_lens", _ro(self.seq_lens, np.int64))
+        object.__setattr__(self, "loss_tokens", _ro(self.loss_tokens, np.int64))
+        object.__setattr__(self, "loss_scale", _ro(self.loss_scale, np.float64))
+        object.__setattr__(self, "cp_group", tuple(int(r) for r in self.cp_group))
+
+    @property
+    def is_placeholder(self) -> bool:
+        """True for an explicit filler micro-batch: no sample, no loss (pack it as 1 dummy token)."""
+        return self.indices.size == 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the micro-batch (all CP ranks together)."""
+        return int(self.seq_lens.sum())
+
+    @property
+    def num_samples(self) -> int:
+        return int(self.indices.size)
+
+    @classmethod
+    def placeholder(cls, *, cp_group: tuple[int, ...] = ()) -> Micro:
+        e = np.zeros(0)
+        return cls(e, e, e, e, cp_group=cp_group)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Micro):
+            return NotImplemented
+        return (np.array_equal(self.indices, other.indices) and np.array_equal(self.seq_lens, other.seq_lens)
+                and np.array_equal(self.loss_tokens, other.loss_tokens)
+                and np.array_equal(self.loss_scale, other.loss_scale)
+                and (self.cp_size, self.cp_rank, self.cp_group) == (other.cp_size, other.cp_rank, other.cp_group))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        if self.is_placeholder:
+            return "Micro(placeholder)"
+        cp = f", cp_size={self.cp_size}, cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
+        return f"Micro(samples={self.num_samples}, tokens={self.num_tokens}{cp})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"indices": self.indices.tolist(), "loss_scale": self.loss_scale.tolist(),
+                "cp_size": self.cp_size, "cp_rank": self.cp_rank, "cp_group": list(self.cp_group)}
+
+
+@dataclass(frozen=True, eq=False)
+class Step:
+    """One optimizer step (mini-batch) of the plan (binding API).
+
+    Attributes:
+        index: position of the step in the plan (0-based).
+        micros: ``micros[rank][m]`` is the m-th micro-batch rank ``rank`` runs in this step.
+        samples: int64 global indices of every sample that trains in this step (sorted).
+    """
+
+    index: int
+    micros: tuple[tuple[Micro, ...], ...]
+    samples: np.ndarray
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "micros", tuple(tuple(r) for r in self.micros))
+        object.__setattr__(self, "samples", _ro(self.samples, np.int64))
+
+    @property
+    def micro_count(self) -> int:
+        """K: micro-batches each rank runs in this step (identical on every rank)."""
+        return len(self.micros[0]) if self.micros else 0
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.micros)
+
+    @property
+    def num_placeholders(self) -> int:
+        return sum(m.is_placeholder for r in self.micros for m in r)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Step):
+            return NotImplemented
+        return (self.index == other.index and np.array_equal(self.samples, other.samples)
+                and self.micros == other.micros)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Step(index={self.index}, samples={self.samples.size}, micro_count={self.micro_count}, "
+                f"placeholders={self.num_placeholders})")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepStats:
+    """Predicted cost figures of one step (cost units of the plan's cost model)."""
+
+    num_samples: int
+    num_tokens: int
+    micro_count: int
+    micro_count_lower_bound: int
+    num_placeholders: int
+    max_micro_tokens: int
+    lockstep_time: float
+    step_sync_time: float
+    time_lower_bound: float
+    rank_costs: tuple[float, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanStats:
+    """Summary figures of a plan (binding names: see DESIGN.md).
+
+    Attributes:
+        max_micro_tokens: most tokens one GPU holds in any micro-batch (per CP rank).
+        cap: ``max_tokens_per_micro`` (None for static batching).
+        micro_count / micro_count_lower_bound: Σ over steps of K, and of its lower bound
+            ceil(tokens / (dp · cap)) (static: ceil(samples / (dp · micro_batch_size))).
+        predicted_time: Σ over steps of the step time under the config's ``sync`` mode.
+        lockstep_time: Σ_steps Σ_m max_r cost(r, m)  (every micro-batch a sync point).
+        step_sync_time: Σ_steps max_r Σ_m cost(r, m)  (ranks meet once per step).
+        time_lower_bound: Σ_steps max(Σ cost / dp + K_lb · per_micro, max sample cost + per_micro).
+        rank_imbalance: max / mean of the ranks' total cost over the plan (1.0 = perfect).
+        steps: per-step :class:`StepStats`.
+    """
+
+    num_steps: int
+    num_samples: int
+    num_dropped: int
+    num_placeholders: int
+    max_micro_tokens: int
+    cap: int | None
+    micro_count: int
+    micro_count_lower_bound: int
+    predicted_time: float
+    lockstep_time: float
+    step_sync_time: float
+    time_lower_bound: float
+    rank_imbalance: float
+    steps: tuple[StepStats, ...] = ()
+
+    @property
+    def time_ratio(self) -> float:
+        """predicted_time / time_lower_bound (1.0 = provably optimal)."""
+        return self.predicted_time / self.time_lower_bound if self.time_lower_bound > 0 else 1.0

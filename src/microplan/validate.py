@@ -1,0 +1,135 @@
+"""The invariant checker: re-derives every guarantee of a plan from its batch and config.
+
+Checks, in order (the first violation raises PlanError naming step, rank and micro-batch):
+shape (dp_size rows, equal K per rank, K a multiple of align), micro-batch contents (arrays
+aligned and matching the batch, placeholders empty), the token cap / micro_batch_size, CP
+groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
+exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
+groups, and the loss scales (recomputed from the loss contract). Cost: O(total samples).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .errors import PlanError
+from .weigh import loss_coefficients, loss_scales
+
+if TYPE_CHECKING:
+    from .plan import Plan
+    from .types import Micro, Step
+
+__all__ = ["validate_plan"]
+
+
+def _fail(msg: str) -> None:
+    raise PlanError(f"invalid plan: {msg}")
+
+
+def _check_micro(plan: Plan, s: int, r: int, m: int, micro: Micro) -> None:
+    b, cfg = plan.batch, plan.config
+    where = f"step {s}, rank {r}, micro {m}"
+    k = micro.indices.size
+    if not (micro.seq_lens.size == micro.loss_tokens.size == micro.loss_scale.size == k):
+        _fail(f"{where}: indices, seq_lens, loss_tokens and loss_scale are not aligned")
+    if k and (micro.indices.min() < 0 or micro.indices.max() >= b.num_samples):
+        _fail(f"{where}: sample index out of range 0..{b.num_samples - 1}")
+    if not np.array_equal(micro.seq_lens, b.seq_lens[micro.indices]) or \
+            not np.array_equal(micro.loss_tokens, b.loss_tokens[micro.indices]):
+        _fail(f"{where}: seq_lens/loss_tokens differ from the batch")
+    if not np.isfinite(micro.loss_scale).all():
+        _fail(f"{where}: non-finite loss_scale")
+    cp = cfg.context_parallel
+    if cp is not None and cp.dynamic:
+        if micro.cp_size & (micro.cp_size - 1) or micro.cp_size > cp.max_size:  # type: ignore[operator]
+            _fail(f"{where}: dynamic CP size {micro.cp_size} is not a power of two <= max_size={cp.max_size}")
+    elif micro.cp_size != cfg.static_cp_size or micro.cp_rank != 0 or micro.cp_group != (r,):
+        _fail(f"{where}: CP fields (size {micro.cp_size}, rank {micro.cp_rank}, group {micro.cp_group}) do not "
+              f"match the config (size {cfg.static_cp_size})")
+    if cfg.max_tokens_per_micro is not None:
+        if micro.num_tokens > micro.cp_size * cfg.max_tokens_per_micro:
+            _fail(f"{where}: {micro.num_tokens} tokens over cp_size {micro.cp_size} exceed the per-GPU cap "
+                  f"max_tokens_per_micro={cfg.max_tokens_per_micro}")
+    elif k > cfg.micro_batch_size:  # type: ignore[operator]
+        _fail(f"{where}: {k} samples exceed micro_batch_size={cfg.micro_batch_size}")
+
+
+def _check_cp_groups(step: Step, s: int) -> None:
+    for r, row in enumerate(step.micros):
+        for m, micro in enumerate(row):
+            g = micro.cp_group
+            if len(g) != micro.cp_size or not 0 <= micro.cp_rank < micro.cp_size or g[micro.cp_rank] != r:
+                _fail(f"step {s}, rank {r}, micro {m}: CP group {g} does not hold rank {r} at cp_rank {micro.cp_rank}")
+            for q, other in enumerate(g):
+                peer = step.micros[other][m]
+                if peer.cp_group != g or peer.cp_rank != q or not np.array_equal(peer.indices, micro.indices):
+                    _fail(f"step {s}, micro {m}: ranks {r} and {other} disagree on their CP group")
+
+
+def validate_plan(plan: Plan) -> None:
+    b, cfg = plan.batch, plan.config
+    owner = np.full(b.num_samples, -1, dtype=np.int64)  # step of each sample
+    for s, step in enumerate(plan.steps):
+        if step.index != s:
+            _fail(f"step {s} carries index {step.index}")
+        if len(step.micros) != cfg.dp_size:
+            _fail(f"step {s} has {len(step.micros)} ranks, expected dp_size={cfg.dp_size}")
+        K = step.micro_count
+        for r, row in enumerate(step.micros):
+            if len(row) != K:
+                _fail(f"step {s}: rank {r} has {len(row)} micro-batches, rank 0 has {K}; counts must be equal")
+        if K == 0 or K % cfg.align:
+            _fail(f"step {s}: {K} micro-batches per rank is not a positive multiple of align={cfg.align}")
+        for r, row in enumerate(step.micros):
+            for m, micro in enumerate(row):
+                _check_micro(plan, s, r, m, micro)
+        _check_cp_groups(step, s)
+        seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]
+        idx = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+        if np.unique(idx).size != idx.size:
+            _fail(f"step {s}: a sample appears in two micro-batches")
+        if (owner[idx] >= 0).any():
+            _fail(f"step {s}: sample {int(idx[owner[idx] >= 0][0])} already trains in an earlier step")
+        owner[idx] = s
+        if not np.array_equal(np.sort(idx), step.samples):
+            _fail(f"step {s}: Step.samples differs from the samples in its micro-batches")
+        if not idx.size:
+            _fail(f"step {s} trains no sample")
+        _check_scales(plan, step, s)
+    dropped = plan.dropped
+    if (owner[dropped] >= 0).any():
+        _fail(f"sample {int(dropped[owner[dropped] >= 0][0])} is both dropped and planned")
+    if set(plan.drop_reasons) != set(dropped.tolist()):
+        _fail("drop_reasons does not give a reason for exactly the dropped samples")
+    owner[dropped] = len(plan.steps)
+    lost = np.flatnonzero(owner < 0)
+    if lost.size:
+        _fail(f"sample {int(lost[0])} is neither planned nor dropped ({lost.size} such samples)")
+    for name, codes in (("rollout", b.rollout_codes), ("prompt group", b.prompt_codes)):
+        planned = owner < len(plan.steps)
+        if planned.any():
+            c, st = codes[planned], owner[planned]
+            lo = np.full(int(codes.max()) + 1, np.iinfo(np.int64).max)
+            hi = np.full(int(codes.max()) + 1, -1)
+            np.minimum.at(lo, c, st)
+            np.maximum.at(hi, c, st)
+            bad = np.flatnonzero((hi >= 0) & (lo != hi))
+            if bad.size:
+                _fail(f"{name} {int(bad[0])} spans steps {int(lo[bad[0]])} and {int(hi[bad[0]])}")
+
+
+def _check_scales(plan: Plan, step: Step, s: int) -> None:
+    b, cfg = plan.batch, plan.config
+    idx = step.samples
+    assert cfg.loss is not None
+    coef = loss_coefficients(cfg.loss, b.loss_tokens[idx], b.prompt_codes[idx], b.rollout_codes[idx])
+    want = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=step.micro_count)
+    scale_of = np.zeros(b.num_samples)
+    scale_of[idx] = want
+    for r, row in enumerate(step.micros):
+        for m, micro in enumerate(row):
+            if not np.allclose(micro.loss_scale, scale_of[micro.indices], rtol=1e-12, atol=0.0):
+                _fail(f"step {s}, rank {r}, micro {m}: loss_scale differs from the loss contract "
+                      f"({cfg.loss.mode}, W={cfg.grad_world})")
