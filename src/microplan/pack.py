@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["lpt_pack", "round_robin_pack", "bins_lower_bound"]
+__all__ = ["lpt_pack", "lpt_pack_wide", "round_robin_pack", "bins_lower_bound"]
 
 
 def bins_lower_bound(seq_lens: np.ndarray, cap: int) -> int:
@@ -34,34 +34,46 @@ def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | 
     non-empty. ``cap=None`` means no token cap (for a per-bin sample count cap, as in static
     batching, use :func:`round_robin_pack`).
     """
-    n = seq_lens.size
+    width = np.ones(num_bins, dtype=np.int64)
+    return lpt_pack_wide(seq_lens, costs, width, cap)
+
+
+def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, cap: int | None, *,
+                  load: np.ndarray | None = None, tokens: np.ndarray | None = None) -> np.ndarray | None:
+    """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
+
+    ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
+    already placed on a context-parallel group); they are updated in place. Empty bins are
+    filled first, so every bin with zero starting tokens ends non-empty when there are at least
+    as many samples as such bins. Returns the bin of each sample, or None if one fits nowhere.
+    """
+    n, B = seq_lens.size, width.size
     order = np.argsort(-costs, kind="stable")
-    load_c = np.zeros(num_bins, dtype=np.float64)
-    load_t = np.zeros(num_bins, dtype=np.int64)
+    load_c = np.zeros(B, dtype=np.float64) if load is None else load
+    load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
+    room_t = None if cap is None else width * cap
+    inv_w = 1.0 / width
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
         srt = np.argsort(load_c, kind="stable")
-        chunk = order[pos:pos + num_bins]
-        x = costs[chunk]
+        chunk = order[pos:pos + B]
         ls = load_c[srt[: chunk.size]]
-        ok_prefix = ls <= ls[0] + x
-        c = int(np.argmin(ok_prefix)) if not ok_prefix.all() else chunk.size
-        c = max(c, 1)
+        ok_prefix = ls <= ls[0] + costs[chunk] * inv_w[srt[: chunk.size]]
+        c = chunk.size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
         chunk, bins = chunk[:c], srt[:c]
-        lens = seq_lens[chunk]
-        fits = np.ones(c, dtype=bool) if cap is None else load_t[bins] + lens <= cap
+        fits = np.ones(c, dtype=bool) if room_t is None else load_t[bins] + seq_lens[chunk] <= room_t[bins]
         good, gbins = chunk[fits], bins[fits]
         bin_of[good] = gbins
-        load_c[gbins] += costs[good]
+        load_c[gbins] += costs[good] * inv_w[gbins]
         load_t[gbins] += seq_lens[good]
         for s in chunk[~fits]:
-            room = load_t + seq_lens[s] <= cap
+            room = load_t + seq_lens[s] <= room_t  # type: ignore[operator]
             if not room.any():
                 return None
             b = int(np.argmin(np.where(room, load_c, np.inf)))
             bin_of[s] = b
-            load_c[b] += costs[s]
+            load_c[b] += costs[s] * inv_w[b]
             load_t[b] += seq_lens[s]
         pos += c
     return bin_of

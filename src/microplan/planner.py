@@ -9,6 +9,8 @@ dp=32 plans in a few milliseconds (benchmarks/bench_speed.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from .assign import arrange
@@ -59,22 +61,31 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    members = _members(fit.bin_of, D * K)
+    bins = binned_micros(kept, fit.bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
-    micros = [[_micro(kept, members[b], scale, batch, cp, r) for b in grid[r]] for r in range(D)]
+    micros = [[bins[b](cp, 0, (r,)) for b in grid[r]] for r in range(D)]
     dropped = samples[fit.dropped]
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")
     return Step(s, micros, np.sort(kept)), dropped, why
 
 
-def _members(bin_of: np.ndarray, num_bins: int) -> list[np.ndarray]:
-    """Local positions in each bin, ascending (bins beyond the real ones are empty placeholders)."""
+def binned_micros(kept: np.ndarray, bin_of: np.ndarray, num_bins: int, scale: np.ndarray,
+                  batch: Batch) -> list[Callable[[int, int, tuple[int, ...]], Micro]]:
+    """One Micro factory per bin (bins past the real ones are placeholders).
+
+    Samples are grouped by bin with one stable argsort, so each micro-batch's arrays are
+    read-only slices of four shared arrays (ascending global index = execution order).
+    """
     order = np.argsort(bin_of, kind="stable")
     bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1))
-    return [order[bounds[b]:bounds[b + 1]] for b in range(num_bins)]
+    idx = kept[order]
+    cols = [idx, batch.seq_lens[idx], batch.loss_tokens[idx], scale[order].astype(np.float64)]
+    for a in cols:
+        a.setflags(write=False)
 
+    def factory(lo: int, hi: int) -> Callable[[int, int, tuple[int, ...]], Micro]:
+        parts = [a[lo:hi] for a in cols]
+        return lambda cp_size, cp_rank, group: Micro._trusted(*parts, cp_size, cp_rank, group)
 
-def _micro(kept: np.ndarray, pos: np.ndarray, scale: np.ndarray, batch: Batch, cp: int, r: int) -> Micro:
-    idx = kept[pos]
-    return Micro(idx, batch.seq_lens[idx], batch.loss_tokens[idx], scale[pos], cp_size=cp, cp_group=(r,))
+    return [factory(int(bounds[b]), int(bounds[b + 1])) for b in range(num_bins)]

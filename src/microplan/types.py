@@ -52,6 +52,16 @@ class Micro:
         object.__setattr__(self, "loss_scale", _ro(self.loss_scale, np.float64))
         object.__setattr__(self, "cp_group", tuple(int(r) for r in self.cp_group))
 
+    @classmethod
+    def _trusted(cls, indices: np.ndarray, seq_lens: np.ndarray, loss_tokens: np.ndarray,
+                 loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...]) -> Micro:
+        """Internal fast path: arrays are already read-only int64/float64 views; no copies."""
+        self = object.__new__(cls)
+        for k, v in (("indices", indices), ("seq_lens", seq_lens), ("loss_tokens", loss_tokens),
+                     ("loss_scale", loss_scale), ("cp_size", cp_size), ("cp_rank", cp_rank), ("cp_group", cp_group)):
+            object.__setattr__(self, k, v)
+        return self
+
     @property
     def is_placeholder(self) -> bool:
         """True for an explicit filler micro-batch: no sample, no loss (pack it as 1 dummy token)."""

@@ -85,7 +85,8 @@ def validate_plan(plan: Plan) -> None:
         for r, row in enumerate(step.micros):
             for m, micro in enumerate(row):
                 _check_micro(plan, s, r, m, micro)
-        _check_cp_groups(step, s)
+        if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
+            _check_cp_groups(step, s)
         seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]
         idx = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
         if np.unique(idx).size != idx.size:

@@ -1,0 +1,240 @@
+"""Dynamic context parallel: per micro slot, cut the DP×CP plane into power-of-two CP groups.
+
+Design note. With ``ContextParallel(max_size=c)`` the ``dp_size`` GPUs of the plane are one
+pool. A sample of L tokens needs a CP group of d = nextpow2(⌈L / cap⌉) GPUs (so no GPU holds
+more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
+1. K starts at the lower bound (tokens, and the GPU-slots of long samples) rounded to align.
+2. Bins: one CP group of width d per long sample, plus unit bins for the rest of the dp·K
+   GPU-slots. When there are fewer short samples than unit bins, empty bins merge into wider
+   ones (and into long samples' groups) until every group can get a sample — the verl seed's
+   "fewer sequences than groups" case — so no CP group is ever empty.
+3. Short samples go by width-aware LPT (per-GPU load Σ cost / width, capacity width·cap) into
+   all bins, long groups included; a failure grows K by ``align``.
+4. Slots: wide groups first-fit-decreasing by width into K slots (widths divide dp, so this
+   always tiles), then unit bins fill each slot's free GPUs, heaviest unit bins beside the
+   heaviest groups. Groups occupy contiguous, width-aligned rank ranges.
+Guarantees: every rank has K micro-batches, every CP group non-empty (or an explicit
+placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact with W = dp_size.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .batch import Batch
+from .config import PlanConfig
+from .errors import PlanError
+from .pack import lpt_pack_wide
+from .types import Micro, Step
+from .weigh import loss_coefficients, loss_scales
+
+__all__ = ["plan_dynamic_cp_step", "cp_degrees"]
+
+
+def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+    """Smallest power-of-two CP degree per sample that keeps each GPU under the cap."""
+    cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
+    need = -(-lens // cap)  # type: ignore[operator]
+    deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
+    deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
+    if lens.size and deg.max() > cmax:
+        j = int(np.argmax(lens))
+        raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens: it needs {int(deg[j])} GPUs at "
+                        f"max_tokens_per_micro={cap}, more than ContextParallel.max_size={cmax}; raise max_size "
+                        "(and dp_size), raise max_tokens_per_micro, or truncate the sample.")
+    return deg
+
+
+def _cdiv(x: int, d: int) -> int:
+    return -(-x // d)
+
+
+class _Layout:
+    """Bins (members, width) and the slot arrangement of one step."""
+
+    def __init__(self, bin_of: np.ndarray, width: np.ndarray, load: np.ndarray, slots: list[list[tuple[int, int]]]):
+        self.bin_of, self.width, self.load, self.slots = bin_of, width, load, slots
+
+
+def _balanced_degrees(costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cmax: int) -> np.ndarray:
+    """Widen samples whose per-GPU cost would exceed the mean load of a GPU slot.
+
+    A sample costing more than τ = Σ cost / (dp·K) would leave its slot waiting however the
+    other groups are filled; spreading it over nextpow2(cost / τ) GPUs (at most ``cmax``)
+    brings its per-GPU time to about τ. Degrees never shrink below the token need.
+    """
+    tau = float(costs.sum()) / gpu_slots
+    if tau <= 0:
+        return deg
+    want = np.ceil(costs / tau)
+    heavy = want > deg
+    if not heavy.any():
+        return deg
+    up = np.left_shift(1, np.ceil(np.log2(want[heavy])).astype(np.int64))
+    out = deg.copy()
+    out[heavy] = np.minimum(np.maximum(up, deg[heavy]), cmax)
+    return out
+
+
+def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple[list[int], dict[int, int]]:
+    """Merge empty bins until at most ``n_short`` remain; return long widths and empty-bin counts."""
+    empty = {1: unit}
+    while sum(empty.values()) > n_short:
+        w = next((w for w in sorted(empty) if empty[w] >= 2 and 2 * w <= cmax), None)
+        if w is not None:
+            empty[w] -= 2
+            empty[2 * w] = empty.get(2 * w, 0) + 1
+            continue
+        # widen a long group with an empty bin of its own width
+        j = next((j for j, lw in enumerate(long_w) if empty.get(lw, 0) and 2 * lw <= cmax), None)
+        if j is None:
+            break
+        empty[long_w[j]] -= 1
+        long_w[j] *= 2
+    return long_w, {w: c for w, c in empty.items() if c}
+
+
+def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int) -> _Layout | None | str:
+    """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty."""
+    D, cap = cfg.dp_size, cfg.max_tokens_per_micro
+    cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
+    deg = _balanced_degrees(costs, deg, D * K, cmax)
+    long = np.flatnonzero(deg > 1)
+    short = np.flatnonzero(deg == 1)
+    free = D * K - int(deg[long].sum())
+    if free < 0:
+        return None
+    long_w, empty = _merge_empty(deg[long].tolist(), free, short.size, cmax)  # type: ignore[arg-type]
+    if sum(empty.values()) > short.size:
+        return "short"
+    width = np.array(long_w + [w for w in sorted(empty, reverse=True) for _ in range(empty[w])], dtype=np.int64)
+    nb = width.size
+    load = np.zeros(nb)
+    tokens = np.zeros(nb, dtype=np.int64)
+    load[: long.size] = costs[long] / width[: long.size]
+    tokens[: long.size] = lens[long]
+    bin_of = np.empty(lens.size, dtype=np.int64)
+    bin_of[long] = np.arange(long.size)
+    if short.size:
+        sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens)
+        if sb is None:
+            return None
+        bin_of[short] = sb
+    slots = _arrange(width, load, D, K)
+    return None if slots is None else _Layout(bin_of, width, load, slots)
+
+
+def _arrange(width: np.ndarray, load: np.ndarray, D: int, K: int) -> list[list[tuple[int, int]]] | None:
+    """slots[m] = [(bin, start_rank)], groups contiguous and width-aligned, heaviest slot first."""
+    free = np.full(K, D, dtype=np.int64)
+    members: list[list[int]] = [[] for _ in range(K)]
+    wide = [b for b in np.lexsort((-load, -width)) if width[b] > 1]
+    for b in wide:
+        fit = np.flatnonzero(free >= width[b])
+        if not fit.size:
+            return None
+        m = int(fit[0])
+        members[m].append(int(b))
+        free[m] -= width[b]
+    slot_max = np.array([max((load[b] for b in mem), default=0.0) for mem in members])
+    units = [int(b) for b in np.argsort(-load, kind="stable") if width[b] == 1]
+    u = 0
+    for m in np.argsort(-slot_max, kind="stable"):
+        take = int(free[m])
+        members[m].extend(units[u:u + take])
+        u += take
+    if u != len(units):
+        return None
+    order = np.argsort([-max(load[b] for b in mem) for mem in members], kind="stable")
+    slots = []
+    for m in order:
+        start, placed = 0, []
+        for b in sorted(members[m], key=lambda b: (-width[b], -load[b])):
+            placed.append((b, start))
+            start += int(width[b])
+        slots.append(placed)
+    return slots
+
+
+def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
+                 allow_short: bool) -> tuple[_Layout, int] | None:
+    D, a, cap = cfg.dp_size, cfg.align, cfg.max_tokens_per_micro
+    gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
+    K = _cdiv(_cdiv(gpu_slots, D), a) * a
+    while True:
+        got = _try(lens, costs, deg, cfg, K)
+        if isinstance(got, _Layout):
+            return got, K
+        if got == "short":
+            if not allow_short:
+                return None
+            return _padded(lens, costs, deg, cfg, K), K
+        K += a
+
+
+def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int) -> _Layout:
+    """Too few samples for the plane: one group per sample (widest that fits), placeholders after."""
+    D, cmax = cfg.dp_size, cfg.context_parallel.max_size  # type: ignore[union-attr]
+    n = lens.size
+    width = deg.copy()
+    while True:  # widen the costliest groups while GPUs are left
+        spare = D * K - int(width.sum())
+        per_gpu = np.where(2 * width <= np.minimum(cmax, width + spare), costs / width, -1.0)
+        if spare <= 0 or per_gpu.max() < 0:
+            break
+        width[int(np.argmax(per_gpu))] *= 2
+    spare = D * K - int(width.sum())
+    width = np.concatenate([width, np.ones(spare, dtype=np.int64)])  # unit placeholders
+    load = np.concatenate([costs / width[:n], np.zeros(spare)])
+    slots = _arrange(width, load, D, K)
+    assert slots is not None  # widths are powers of two dividing D and sum to D·K
+    return _Layout(np.arange(n, dtype=np.int64), width, load, slots)
+
+
+def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
+                         cfg: PlanConfig) -> tuple[Step, np.ndarray, str]:
+    """The dynamic-CP counterpart of the planner's per-step function."""
+    D = cfg.dp_size
+    lens = batch.seq_lens[samples]
+    deg = cp_degrees(lens, samples, cfg)
+    c = costs[samples]
+    keep = np.arange(samples.size)
+    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad")
+    if got is None and cfg.short_step == "drop":
+        got, keep = _drop(s, samples, batch, c, deg, cfg)
+    if got is None:
+        raise PlanError(f"step {s}: {samples.size} samples cannot give every CP group of the {D}-GPU plane a "
+                        "sample in every micro slot. Set short_step='pad' (placeholder micro-batches) or 'drop', "
+                        "or put more samples in each step (Steps).")
+    layout, K = got
+    kept = samples[keep]
+    assert cfg.loss is not None
+    coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
+    scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)
+    grid: list[list[Micro | None]] = [[None] * K for _ in range(D)]
+    for m, slot in enumerate(layout.slots):
+        for b, start in slot:
+            w = int(layout.width[b])
+            pos = np.flatnonzero(layout.bin_of == b)
+            idx = kept[pos]
+            group = tuple(range(start, start + w))
+            for q, r in enumerate(group):
+                grid[r][m] = Micro(idx, batch.seq_lens[idx], batch.loss_tokens[idx], scale[pos],
+                                   cp_size=w, cp_rank=q, cp_group=group)
+    dropped = np.setdiff1d(samples, kept)
+    why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
+    return Step(s, grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
+
+
+def _drop(s: int, samples: np.ndarray, batch: Batch, c: np.ndarray, deg: np.ndarray,
+          cfg: PlanConfig) -> tuple[tuple[_Layout, int] | None, np.ndarray]:
+    """Keep the longest prefix of whole rollouts that needs no placeholder."""
+    codes = batch.rollout_codes[samples]
+    uniq = np.unique(codes)
+    lens = batch.seq_lens[samples]
+    for keep_r in range(uniq.size - 1, 0, -1):
+        pos = np.flatnonzero(codes < uniq[keep_r])
+        got = _layout_step(lens[pos], c[pos], deg[pos], cfg, allow_short=False)
+        if got is not None:
+            return got, pos
+    return None, np.arange(samples.size)
