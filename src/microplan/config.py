@@ -216,6 +216,10 @@ class PlanConfig:
             if cp.dynamic and cp.max_size > self.dp_size:  # type: ignore[operator]
                 raise PlanError(f"ContextParallel.max_size={cp.max_size} exceeds dp_size={self.dp_size} (the GPUs of "
                                 "the DP×CP plane); lower max_size or raise dp_size.")
+            if cp.dynamic and self.dp_size % cp.max_size:  # type: ignore[operator]
+                raise PlanError(f"dynamic context parallel needs dp_size (the GPUs of the DP×CP plane) to be a multiple "
+                                f"of ContextParallel.max_size={cp.max_size} so power-of-two CP groups tile it; got "
+                                f"dp_size={self.dp_size}.")
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
 
     # -- derived -----------------------------------------------------------------------------
