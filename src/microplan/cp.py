@@ -19,6 +19,8 @@ placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact 
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from .batch import Batch
@@ -56,23 +58,33 @@ class _Layout:
         self.bin_of, self.width, self.load, self.slots = bin_of, width, load, slots
 
 
-def _balanced_degrees(costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cmax: int) -> np.ndarray:
-    """Widen samples whose per-GPU cost would exceed the mean load of a GPU slot.
+def _balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
+                      cmax: int) -> np.ndarray:
+    """Widen samples whose per-GPU cost exceeds the mean load of a GPU slot, within budget.
 
-    A sample costing more than τ = Σ cost / (dp·K) would leave its slot waiting however the
-    other groups are filled; spreading it over nextpow2(cost / τ) GPUs (at most ``cmax``)
-    brings its per-GPU time to about τ. Degrees never shrink below the token need.
+    A sample costing more than τ = Σ cost / (dp·K) leaves its slot waiting however the other
+    groups are filled; doubling its CP degree halves its per-GPU time. Greedy: repeatedly
+    double the sample with the highest per-GPU cost above τ while the widened groups still
+    leave enough unit GPU-slots for the short samples' tokens. Never below the token need.
     """
     tau = float(costs.sum()) / gpu_slots
-    if tau <= 0:
-        return deg
-    want = np.ceil(costs / tau)
-    heavy = want > deg
-    if not heavy.any():
-        return deg
-    up = np.left_shift(1, np.ceil(np.log2(want[heavy])).astype(np.int64))
     out = deg.copy()
-    out[heavy] = np.minimum(np.maximum(up, deg[heavy]), cmax)
+    short_tokens = int(lens[deg == 1].sum())
+    budget = gpu_slots - _cdiv(short_tokens, cap) - int(deg[deg > 1].sum())
+    heap = [(-float(costs[i]) / out[i], int(i)) for i in np.flatnonzero(costs > tau)]
+    heapq.heapify(heap)
+    while heap:
+        neg, i = heapq.heappop(heap)
+        d = int(out[i])
+        extra = d if d > 1 else 2  # a unit sample becomes a 2-wide group: it leaves the short pool
+        if -neg <= tau or 2 * d > cmax or extra > budget:
+            continue
+        budget -= extra
+        if d == 1:
+            budget += _cdiv(short_tokens, cap) - _cdiv(short_tokens - int(lens[i]), cap)
+            short_tokens -= int(lens[i])
+        out[i] = 2 * d
+        heapq.heappush(heap, (-float(costs[i]) / out[i], i))
     return out
 
 
@@ -98,7 +110,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
     """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty."""
     D, cap = cfg.dp_size, cfg.max_tokens_per_micro
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
-    deg = _balanced_degrees(costs, deg, D * K, cmax)
+    deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
     short = np.flatnonzero(deg == 1)
     free = D * K - int(deg[long].sum())
