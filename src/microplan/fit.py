@@ -21,6 +21,7 @@ import numpy as np
 from .config import PlanConfig
 from .errors import PlanError
 from .pack import bins_lower_bound, lpt_pack, round_robin_pack
+from .refine import refine_bins
 
 __all__ = ["StepFit", "fit_step"]
 
@@ -64,7 +65,7 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndar
         m = min(n, D * K)
         bin_of = lpt_pack(lens, costs, m, cap)
         if bin_of is not None:
-            return bin_of, m, K
+            return refine_bins(bin_of, lens, costs, m, cap), m, K
         K += a  # m == n always packs (one sample per bin), so this terminates
 
 
