@@ -1,0 +1,245 @@
+"""Layout quality of microplan vs the peers' planners, one step at a time, on synthetic RL traces.
+
+Design note. For every trace family × dp × seed we build ONE optimizer step (a prefix of whole
+prompts holding ~``spg`` samples per GPU, spg cycling 16/32/64 with the seed), plan it with every
+planner, convert the result to ``plan[r][m]`` and score it with benchmarks/metrics.py (the
+PEERS.md definitions, same for everyone). Caps are per family so that K ≈ 2–8 micro-batches per
+rank; every cap is ≥ the family's ``max_len`` (no sample is over the cap). Cost model: a ~7B
+dense decoder (metrics.dense_7b_cost). Planning time is one wall-clock run per case (see
+bench_speed.py for medians of repeats). A peer that would crash upstream counts as a crash and
+is left out of the other columns.
+
+Run: ``python -m benchmarks.bench_planners [--quick]``. Prints the table and writes
+``benchmarks/results/planners-<date>-<host>.{json,png}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import microplan as mp  # noqa: E402
+from microplan.traces import generate  # noqa: E402
+
+from benchmarks.metrics import dense_7b_cost, from_microplan, step_metrics  # noqa: E402
+from benchmarks.peers import PEERS, PeerCrash  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+#: family -> (max_len, per-GPU token cap, samples per prompt / rollouts per prompt)
+FAMILIES: dict[str, tuple[int, int, int]] = {
+    "grpo-longtail": (16384, 32768, 8),
+    "bimodal": (16384, 49152, 8),
+    "stepwise-multiturn": (16384, 24576, 4),
+    "long-context": (32768, 49152, 8),
+}
+SPG = (16, 32, 64)  # samples per GPU per step, cycled by seed
+TARGETS = {"over_cap": 0, "lockstep_med": 1.005, "lockstep_worst": 1.01, "step_sync": 1.002}
+
+Runner = Callable[[mp.Batch, int, int, object], tuple[list[list[np.ndarray]], float]]
+
+
+# -- planners -----------------------------------------------------------------------------------
+
+def _microplan(sync: str) -> Runner:
+    def run(batch, dp, cap, cost):
+        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, sync=sync)
+        t = time.perf_counter()
+        p = mp.plan(batch, cfg)
+        return from_microplan(p), time.perf_counter() - t
+    return run
+
+
+def _peer(fn) -> Runner:
+    def run(batch, dp, cap, cost):
+        lens = np.asarray(batch.seq_lens)
+        t = time.perf_counter()
+        p = fn(lens, dp=dp, cap=cap, cost=cost)
+        return p, time.perf_counter() - t
+    return run
+
+
+PLANNERS: dict[str, tuple[Runner, str]] = {
+    "microplan": (_microplan("micro"), f"microplan {mp.__version__} sync='micro'"),
+    "microplan-step": (_microplan("step"), f"microplan {mp.__version__} sync='step'"),
+    **{name: (_peer(fn), label) for name, (fn, label) in PEERS.items()},
+}
+
+
+# -- cases --------------------------------------------------------------------------------------
+
+def make_step(family: str, dp: int, spg: int, seed: int) -> mp.Batch:
+    """One step: the shortest prefix of whole prompts with at least dp·spg samples."""
+    max_len, _, group = FAMILIES[family]
+    target = dp * spg
+    per_prompt = group * (2 if family == "stepwise-multiturn" else 1)  # multiturn: >= ~2 turns/rollout
+    prompts = -(-target // per_prompt) * 2
+    b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed)
+    pid = np.asarray(b.prompt_ids)                                      # non-decreasing
+    cut = int(np.searchsorted(pid, pid[min(target, pid.size) - 1], side="right"))
+    return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_ids=pid[:cut],
+                    rollout_ids=b.rollout_ids[:cut])
+
+
+def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list[dict]:
+    """Plan and score one step with every planner; one row per planner."""
+    _, cap, _ = FAMILIES[family]
+    spg = SPG[seed % len(SPG)]
+    batch = make_step(family, dp, spg, seed)
+    rows = []
+    for name in planners:
+        row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=batch.num_samples,
+                   tokens=int(np.sum(batch.seq_lens)), cap=cap)
+        try:
+            plan, dt = PLANNERS[name][0](batch, dp, cap, cost)
+        except PeerCrash as e:
+            rows.append({**row, "crash": str(e)})
+            continue
+        m = step_metrics(plan, np.asarray(batch.seq_lens), dp=dp, cap=cap, cost=cost)
+        rows.append({**row, "crash": None, "ms": dt * 1e3, **m.to_dict()})
+    return rows
+
+
+# -- summary ------------------------------------------------------------------------------------
+
+def _agg(vals: list[float], worst=max) -> tuple[float, float]:
+    return (float(np.median(vals)), float(worst(vals))) if vals else (float("nan"), float("nan"))
+
+
+def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> list[dict]:
+    """Median and worst of every metric per group of ``keys`` (crashed cases counted apart)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    out = []
+    for key, rs in groups.items():
+        ok = [r for r in rs if r["crash"] is None]
+        s = dict(zip(keys, key), cases=len(rs), crashes=len(rs) - len(ok))
+        for col in ("over_cap", "max_tokens_ratio", "empties", "lockstep_ratio", "step_sync_ratio", "ms"):
+            s[col] = _agg([r[col] for r in ok])
+        s["k_excess"] = _agg([r["K"] - r["K_lb"] for r in ok])
+        s["k_at_lb"] = float(np.mean([r["K"] == r["K_lb"] for r in ok])) if ok else float("nan")
+        s["equal"] = float(np.mean([r["equal_counts"] for r in ok])) if ok else float("nan")
+        s["lost"] = max((r["lost"] for r in ok), default=0)
+        s["dup"] = max((r["duplicated"] for r in ok), default=0)
+        out.append(s)
+    return out
+
+
+def _mw(x: tuple[float, float], fmt: str) -> str:
+    return f"{x[0]:{fmt}}/{x[1]:{fmt}}"
+
+
+COLUMNS = [("over-cap", 9, lambda s: _mw(s["over_cap"], ".0f")),
+           ("tok/cap", 9, lambda s: _mw(s["max_tokens_ratio"], ".2f")),
+           ("equal", 5, lambda s: f"{100 * s['equal']:.0f}%"),
+           ("empty", 7, lambda s: _mw(s["empties"], ".0f")),
+           ("lost/dup", 8, lambda s: f"{s['lost']}/{s['dup']}"),
+           ("K-Klb", 5, lambda s: _mw(s["k_excess"], ".0f")),
+           ("K=Klb", 5, lambda s: f"{100 * s['k_at_lb']:.0f}%"),
+           ("lockstep/LB", 13, lambda s: _mw(s["lockstep_ratio"], ".4f")),
+           ("stepsync/LB", 13, lambda s: _mw(s["step_sync_ratio"], ".4f")),
+           ("plan ms", 13, lambda s: _mw(s["ms"], ".1f")),
+           ("crash", 5, lambda s: f"{s['crashes']}")]
+
+
+def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> str:
+    """Fixed-width table; cells are median/worst over the cases of a row."""
+    widths = [max(len(k), *(len(str(s[k])) for s in summary)) for k in keys]
+    head = "  ".join(k.ljust(w) for k, w in zip(keys, widths)) + "  " + "  ".join(n.rjust(w) for n, w, _ in COLUMNS)
+    lines = [head, "-" * len(head)]
+    last = None
+    for s in summary:
+        if last is not None and s[keys[0]] != last:
+            lines.append("")
+        last = s[keys[0]]
+        cells = [str(s[k]).ljust(w) for k, w in zip(keys, widths)]
+        lines.append("  ".join(cells) + "  " + "  ".join(f(s).rjust(w) for _, w, f in COLUMNS))
+    return "\n".join(lines)
+
+
+# -- chart ----------------------------------------------------------------------------------------
+
+def plot(summary: list[dict], planners: list[str], path: Path) -> None:
+    """Two panels per family: lockstep/LB and over-cap count (median bar, worst tick)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fams = list(dict.fromkeys(s["family"] for s in summary))
+    by = {(s["family"], s["planner"]): s for s in summary}
+    fig, axes = plt.subplots(2, 1, figsize=(12, 8))
+    w = 0.8 / len(planners)
+    x = np.arange(len(fams))
+    for i, p in enumerate(planners):
+        med = [by[f, p]["lockstep_ratio"][0] for f in fams]
+        worst = [by[f, p]["lockstep_ratio"][1] for f in fams]
+        over = [by[f, p]["over_cap"] for f in fams]
+        axes[0].bar(x + i * w, med, w, label=p)
+        axes[0].scatter(x + i * w, worst, marker="_", color="k", s=60)
+        axes[1].bar(x + i * w, [o[0] for o in over], w, label=p)
+        axes[1].scatter(x + i * w, [o[1] for o in over], marker="_", color="k", s=60)
+    axes[0].axhline(1.0, color="grey", lw=0.8)
+    axes[0].set_ylim(0.95, None)
+    axes[0].set_ylabel("lockstep / LB (bar: median, tick: worst)")
+    axes[1].set_ylabel("over-cap micro-batches (bar: median, tick: worst)")
+    for ax in axes:
+        ax.set_xticks(x + 0.4 - w / 2, fams)
+    axes[0].legend(ncol=4, fontsize=8)
+    fig.suptitle("microplan vs peers, one step per case; cost: ~7B dense FLOPs")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- main -----------------------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="dp 8 and 32, 3 seeds (under ~2 minutes)")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--planners", nargs="*", default=list(PLANNERS))
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    args = ap.parse_args(argv)
+    dps, seeds = ((8, 32), range(3)) if args.quick else ((8, 32, 128), range(6))
+    cost = dense_7b_cost()
+    print(f"cost model: FlopsCost(linear={cost.linear:.3g}, quadratic={cost.quadratic:.6g}, "
+          f"per_micro={cost.per_micro:.3g})  [~7B dense: 6·7e9 FLOPs/token, 6·32·4096 per L², 256 tokens/micro]")
+    rows = []
+    for fam in args.families:
+        for dp in dps:
+            for seed in seeds:
+                rows.extend(run_case(fam, dp, seed, cost, args.planners))
+    summary = summarise(rows)
+    print("cells: median/worst over dp x seed cases; equal, K=Klb: share of cases")
+    print(format_table(summary))
+    mp_rows = [r for r in rows if r["planner"].startswith("microplan")]
+    print("\nmicroplan by family x dp:")
+    print(format_table(summarise(mp_rows, ("family", "dp", "planner")), ("family", "dp", "planner")))
+    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                  cost=cost.to_dict(),
+                  families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
+                  spg=SPG, dp=list(dps), seeds=list(seeds), targets=TARGETS,
+                  labels={k: v[1] for k, v in PLANNERS.items()}, summary=summary, rows=rows)
+    if not args.no_write:
+        RESULTS.mkdir(parents=True, exist_ok=True)
+        stem = RESULTS / f"planners-{result['date']}-{result['host']}"
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        plot(summary, args.planners, stem.with_suffix(".png"))
+        print(f"\nwrote {stem}.json and {stem}.png")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The PEERS.md metrics of one step's layout, identical for every planner.
+
+Design note. Every planner's output is first brought to one form, ``plan[r][m]`` = int64 array
+of the global sample indices of micro-batch m on rank r (see benchmarks/peers/_common.py; a
+negative index is a zero-loss padding copy of sample ``~i``: its tokens and cost count, it is
+neither lost nor duplicated). Then, with cost(micro) = per_micro + Σ (linear·L + quadratic·L²)
+(an empty micro-batch costs per_micro only):
+
+- over-cap micro-batches: tokens > cap with more than one sample (a lone sample over the cap is
+  a too-long sample, not a packing fault); ``max_tokens_ratio`` = largest micro tokens / cap;
+- equal counts: every rank has the same number of micro-batches; empties: micro-batches with no
+  sample (padding micro-batches and those a MAX all-reduce leaves empty); lost: samples in no
+  micro-batch; duplicated: extra appearances of a sample;
+- lockstep time Σ_m max_r cost(r, m), over slots m < K = max_r count_r; a rank that has no slot m
+  contributes 0 to that slot's max (upstream it would deadlock or run a padding micro-batch; we
+  charge nothing so unequal counts are never *penalised* in time — they fail "equal counts");
+- step-sync time max_r Σ_m cost(r, m);
+- LB = max(Σ sample costs / dp + K_lb · per_micro, largest sample cost + per_micro),
+  K_lb = ceil(tokens / (dp·cap)); ratios lockstep/LB and step-sync/LB. LB assumes the cap holds:
+  a plan that breaks it with fewer than K_lb micro-batches per rank can score below 1;
+- K (max micro-batches on a rank) vs K_lb.
+
+The benchmark cost model (:func:`dense_7b_cost`) is a ~7B dense decoder (Llama-2-7B shape):
+linear = 6·7e9 FLOPs/token (forward + backward of the weights), quadratic = 6·32·4096 FLOPs per
+L² (causal attention scores and values, forward + backward, 32 layers × hidden 4096),
+per_micro = 256 tokens' worth of linear FLOPs (launch/gather overhead of one micro-batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from microplan import FlopsCost
+
+__all__ = ["StepMetrics", "step_metrics", "cost_grid", "dense_7b_cost", "from_microplan"]
+
+PeerPlan = list[list[np.ndarray]]
+
+
+def dense_7b_cost() -> FlopsCost:
+    """The benchmark's cost model: ~7B dense decoder, 32 layers, hidden 4096 (see module note)."""
+    linear = 6 * 7e9
+    return FlopsCost(linear=linear, quadratic=6 * 32 * 4096, per_micro=256 * linear)
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    """One step's scores (definitions in the module docstring)."""
+
+    over_cap: int
+    max_tokens_ratio: float
+    equal_counts: bool
+    empties: int
+    lost: int
+    duplicated: int
+    pad_rows: int
+    K: int
+    K_lb: int
+    lockstep: float
+    step_sync: float
+    lb: float
+
+    @property
+    def lockstep_ratio(self) -> float:
+        return self.lockstep / self.lb
+
+    @property
+    def step_sync_ratio(self) -> float:
+        return self.step_sync / self.lb
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(lockstep_ratio=self.lockstep_ratio, step_sync_ratio=self.step_sync_ratio)
+        return d
+
+
+def _real(idx: np.ndarray) -> np.ndarray:
+    """Global sample index behind every entry (padding copies ~j map to j)."""
+    return np.where(idx < 0, ~idx, idx)
+
+
+def cost_grid(plan: PeerPlan, seq_lens: np.ndarray, cost) -> np.ndarray:
+    """``grid[r, m]`` = cost of micro m on rank r; 0 where rank r has no slot m."""
+    sample_cost = cost.sample_costs(np.asarray(seq_lens))
+    K = max((len(row) for row in plan), default=0)
+    grid = np.zeros((len(plan), K))
+    for r, row in enumerate(plan):
+        for m, idx in enumerate(row):
+            grid[r, m] = cost.per_micro + float(sample_cost[_real(idx)].sum())
+    return grid
+
+
+def _tokens(plan: PeerPlan, lens: np.ndarray) -> list[tuple[int, int]]:
+    """(tokens, samples) of every micro-batch."""
+    return [(int(lens[_real(idx)].sum()), int(idx.size)) for row in plan for idx in row]
+
+
+def _lost_duplicated(plan: PeerPlan, n: int) -> tuple[int, int, int]:
+    """(lost, duplicated, padding rows); raises ValueError on an index outside the step."""
+    parts = [idx for row in plan for idx in row]
+    flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    real = flat[flat >= 0]
+    if (real.size and real.max() >= n) or (flat.size and (~flat[flat < 0]).max(initial=0) >= n):
+        raise ValueError(f"plan holds a sample index outside 0..{n - 1} (the step has {n} samples)")
+    counts = np.bincount(real, minlength=n)
+    return int((counts == 0).sum()), int(np.clip(counts - 1, 0, None).sum()), int((flat < 0).sum())
+
+
+def step_metrics(plan: PeerPlan, seq_lens: np.ndarray, *, dp: int, cap: int, cost) -> StepMetrics:
+    """Score one step's ``plan[r][m]`` over the step's samples ``0..len(seq_lens)-1``."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if len(plan) != dp:
+        raise ValueError(f"plan has {len(plan)} ranks, expected dp={dp}")
+    lost, dup, pads = _lost_duplicated(plan, lens.size)  # also checks the indices
+    micro = _tokens(plan, lens)
+    over = sum(1 for t, k in micro if t > cap and k > 1)
+    max_ratio = max((t for t, _ in micro), default=0) / cap
+    counts = {len(row) for row in plan}
+    grid = cost_grid(plan, lens, cost)
+    sample_cost = cost.sample_costs(lens)
+    k_lb = max(1, -(-int(lens.sum()) // (dp * cap)))
+    lb = max(float(sample_cost.sum()) / dp + k_lb * cost.per_micro,
+             float(sample_cost.max(initial=0.0)) + cost.per_micro)
+    return StepMetrics(
+        over_cap=over, max_tokens_ratio=max_ratio, equal_counts=len(counts) == 1,
+        empties=sum(1 for _, k in micro if k == 0), lost=lost, duplicated=dup, pad_rows=pads,
+        K=max(counts, default=0), K_lb=k_lb,
+        lockstep=float(grid.max(axis=0).sum()) if grid.size else 0.0,
+        step_sync=float(grid.sum(axis=1).max()) if grid.size else 0.0, lb=lb)
+
+
+def from_microplan(plan, step: int = 0) -> PeerPlan:
+    """A microplan ``Plan``'s step in the plan[r][m] form (placeholders become empty arrays)."""
+    return [[np.asarray(m.indices, dtype=np.int64) for m in row] for row in plan.steps[step].micros]

@@ -1,0 +1,141 @@
+"""Smoke tests of the benchmark: the peers run and keep their documented shapes, and the metrics
+are right on hand-built tiny plans (values worked out by hand in the comments)."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: ``benchmarks``
+
+import microplan as mp  # noqa: E402
+from microplan.traces import generate  # noqa: E402
+from benchmarks import bench_planners  # noqa: E402
+from benchmarks.metrics import dense_7b_cost, from_microplan, step_metrics  # noqa: E402
+from benchmarks.peers import (PEERS, PeerCrash, karmarkar_karp, plan_openrlhf, plan_skyrl,  # noqa: E402
+                              plan_slime, plan_verl)
+
+A = np.asarray
+
+
+def plan_of(*ranks):
+    return [[A(m, dtype=np.int64) for m in r] for r in ranks]
+
+
+# -- metrics on hand-built plans -------------------------------------------------------------------
+
+def test_metrics_unequal_counts():
+    # lens 4,3,2,1; cost = 2 + L (+0 quadratic); cap 5; dp 2.
+    # rank0: [0] (4 tok, cost 6), [3] (1 tok, cost 3); rank1: [1,2] (5 tok, cost 7).
+    cost = mp.FlopsCost(linear=1.0, per_micro=2.0)
+    m = step_metrics(plan_of([[0], [3]], [[1, 2]]), A([4, 3, 2, 1]), dp=2, cap=5, cost=cost)
+    assert (m.over_cap, m.max_tokens_ratio, m.equal_counts, m.empties) == (0, 1.0, False, 0)
+    assert (m.lost, m.duplicated, m.pad_rows, m.K, m.K_lb) == (0, 0, 0, 2, 1)
+    assert m.lockstep == 7 + 3           # slot 0: max(6, 7); slot 1: max(3, missing = 0)
+    assert m.step_sync == 9              # max(6 + 3, 7)
+    assert m.lb == 10 / 2 + 1 * 2        # max(Σcost/dp + K_lb·per_micro = 7, 4 + 2 = 6)
+    assert m.lockstep_ratio == pytest.approx(10 / 7) and m.step_sync_ratio == pytest.approx(9 / 7)
+
+
+def test_metrics_overcap_empty_lost_duplicate_padding():
+    # cost = 1 + L + 0.5·L²; lens 4,3,2,1; cap 5; dp 2.
+    # rank0: [0,1] 7 tok (over cap), [] empty; rank1: [2, copy of 3] 3 tok, [2] 2 tok (duplicate).
+    cost = mp.FlopsCost(linear=1.0, quadratic=0.5, per_micro=1.0)
+    c = {L: L + 0.5 * L * L for L in (1, 2, 3, 4)}
+    m = step_metrics(plan_of([[0, 1], []], [[2, ~3], [2]]), A([4, 3, 2, 1]), dp=2, cap=5, cost=cost)
+    assert (m.over_cap, m.max_tokens_ratio, m.equal_counts, m.empties) == (1, 7 / 5, True, 1)
+    assert (m.lost, m.duplicated, m.pad_rows) == (1, 1, 1)   # sample 3 only as a padding copy
+    r0 = [1 + c[4] + c[3], 1.0]
+    r1 = [1 + c[2] + c[1], 1 + c[2]]
+    assert m.lockstep == pytest.approx(max(r0[0], r1[0]) + max(r0[1], r1[1]))
+    assert m.step_sync == pytest.approx(max(sum(r0), sum(r1)))
+    assert m.lb == pytest.approx(max(sum(c.values()) / 2 + 1 * 1, c[4] + 1))
+    assert (m.K, m.K_lb) == (2, 1)
+
+
+def test_metrics_microplan_plan():
+    lens = A([900, 700, 500, 400, 300, 200, 100, 50])
+    cost = mp.FlopsCost(linear=1.0, quadratic=1e-3, per_micro=10.0)
+    p = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, max_tokens_per_micro=1000, cost=cost))
+    m = step_metrics(from_microplan(p), lens, dp=2, cap=1000, cost=cost)
+    assert m.over_cap == 0 and m.equal_counts and m.lost == 0 and m.duplicated == 0
+    assert m.K == p.steps[0].micro_count and m.K_lb == 2
+    st = p.stats.steps[0]
+    assert m.lb == pytest.approx(st.time_lower_bound)
+    assert m.lockstep == pytest.approx(st.lockstep_time, rel=1e-6)   # placeholders aside, same model
+
+
+def test_metrics_rejects_wrong_rank_count_and_bad_index():
+    cost = mp.FlopsCost(linear=1.0)
+    with pytest.raises(ValueError):
+        step_metrics(plan_of([[0]]), A([1]), dp=2, cap=5, cost=cost)
+    with pytest.raises(ValueError):
+        step_metrics(plan_of([[0, 5]]), A([1, 1]), dp=1, cap=5, cost=cost)
+
+
+# -- Karmarkar–Karp ------------------------------------------------------------------------------
+
+def test_kk_equal_and_unequal():
+    w = [8, 7, 6, 5, 4, 3, 2, 1]
+    eq = karmarkar_karp(w, 2, equal_size=True)
+    assert sorted(i for p in eq for i in p) == list(range(8)) and [len(p) for p in eq] == [4, 4]
+    assert sorted(sum(w[i] for i in p) for p in eq) == [18, 18]
+    # 2-way differencing on 8,7,6,5,4: 8-7=1, 6-5=1, 4-1=3, 3-1=2 -> sums 14/16 (optimum is 15/15)
+    un = karmarkar_karp([8, 7, 6, 5, 4], 2, equal_size=False)
+    assert sorted(i for p in un for i in p) == list(range(5))
+    assert sorted(sum([8, 7, 6, 5, 4][i] for i in p) for p in un) == [14, 16]
+    assert karmarkar_karp([1.0], 3, equal_size=False) == [[0], [], []]
+
+
+# -- peers --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(PEERS))
+def test_peer_runs_and_keeps_every_sample(name):
+    lens = np.asarray(generate("grpo-longtail", num_prompts=24, samples_per_prompt=8,
+                            max_len=4096, seed=3).seq_lens)
+    plan = PEERS[name][0](lens, dp=8, cap=8192, cost=dense_7b_cost())
+    m = step_metrics(plan, lens, dp=8, cap=8192, cost=dense_7b_cost())
+    assert len(plan) == 8 and m.lost == 0 and m.duplicated == 0
+    if m.K >= m.K_lb:  # LB assumes the cap; a plan breaking it with fewer micro-batches can beat it
+        assert m.lockstep_ratio >= 1.0 - 1e-12 and m.step_sync_ratio >= 1.0 - 1e-12
+    assert all(m_.dtype == np.int64 for row in plan for m_ in row)
+
+
+def test_verl_pad_only_micro_is_empty():
+    # [100, 1, 1] padded with one 2-token sample; KK equal: ranks {100, 1} and {1, pad}; k = 2,
+    # so the pad sits alone in a micro-batch: empty once pads are dropped.
+    m = step_metrics(plan_verl(A([100, 1, 1]), dp=2, cap=10), A([100, 1, 1]), dp=2, cap=10,
+                     cost=mp.FlopsCost(linear=1.0))
+    assert (m.empties, m.equal_counts, m.lost) == (1, True, 0)
+
+
+def test_slime_singletons_cannot_reach_target():
+    with pytest.raises(PeerCrash):  # first-fit: 3 singleton bins, target 4 at dp=2
+        plan_slime(A([10, 10, 10]), dp=2, cap=10)
+
+
+def test_skyrl_pads_with_copies_and_padding_micros():
+    lens = A([9, 1, 1])                # pad 1 row (copy of row 0): slabs [9, 1] and [1, copy of 9]
+    plan = plan_skyrl(lens, dp=2, cap=10)
+    m = step_metrics(plan, lens, dp=2, cap=10, cost=mp.FlopsCost(linear=1.0))
+    assert (m.pad_rows, m.lost, m.duplicated, m.equal_counts) == (1, 0, 0, True)
+
+
+def test_openrlhf_round_down_breaks_cap():
+    # first-fit: 3 bins of 6; rounded down to a multiple of dp=2 -> 2 micro-batches; KK -> [6,6] + [6].
+    m = step_metrics(plan_openrlhf(A([6, 6, 6]), dp=2, cap=10), A([6, 6, 6]), dp=2, cap=10,
+                     cost=mp.FlopsCost(linear=1.0))
+    assert (m.over_cap, m.max_tokens_ratio) == (1, 1.2)
+
+
+# -- the benchmark driver ---------------------------------------------------------------------
+
+def test_bench_case_summary_and_table():
+    rows = bench_planners.run_case("bimodal", 8, 0, dense_7b_cost(), ["microplan", "verl", "slime"])
+    assert {r["planner"] for r in rows} == {"microplan", "verl", "slime"}
+    assert all(r["crash"] is None for r in rows)
+    mp_row = next(r for r in rows if r["planner"] == "microplan")
+    assert mp_row["over_cap"] == 0 and mp_row["equal_counts"] and mp_row["samples"] >= 8 * 16
+    text = bench_planners.format_table(bench_planners.summarise(rows))
+    assert "microplan" in text and "lockstep/LB" in text
