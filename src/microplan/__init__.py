@@ -13,6 +13,7 @@ The core depends on numpy only; ``microplan.torch`` adds packing, loss and colle
 """
 
 from .batch import Batch
+from .calibrate import CalibrationResult, calibrate, calibration_row
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import CostModel, FlopsCost, TokenCost
 from .errors import PlanError
@@ -25,5 +26,5 @@ __version__ = "0.1.0"
 __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
-    "StepStats", "PlanError", "__version__",
+    "StepStats", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "__version__",
 ]
