@@ -1,0 +1,354 @@
+"""The ``microplan`` command line: demo, plan a batch file, validate a plan, write a trace.
+
+Design note. A thin shell over the library: parse arguments into a :class:`PlanConfig`, read
+the batch (``microplan.io``), call :func:`microplan.plan`, print :func:`format_summary`,
+optionally write the plan JSON and a PNG (``microplan.viz``). Every refusal — a PlanError, a
+missing file, a bad argument — prints ONE line ``microplan: error: ...`` to stderr and exits 2,
+never a traceback; ``main(argv)`` returns the exit code, so tests call it in-process.
+
+    microplan demo [--family F] [--dp 8] [--max-tokens 16384] [--png microplan_demo.png]
+    microplan plan FILE --dp N (--max-tokens T | --micro-batch-size B) [...]
+    microplan validate PLAN.json
+    microplan trace FAMILY OUT.jsonl [--num-prompts P] [--samples-per-prompt G] [--max-len L]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+import numpy as np
+
+from .batch import Batch
+from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
+from .cost import FlopsCost, TokenCost
+from .errors import PlanError
+from .plan import Plan
+from .planner import plan as make_plan
+from .traces import FAMILIES, generate
+from .viz import cost_units, human
+
+__all__ = ["main", "build_parser", "format_summary", "describe_batch"]
+
+_MAX_TABLE_ROWS = 12
+
+
+class _UsageError(Exception):
+    """A bad command line (argparse's complaint), reported as one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # one line, no usage dump
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+# -- summaries ----------------------------------------------------------------------------------
+
+def describe_batch(batch: Batch) -> str:
+    """One line on a batch: sizes, total tokens, and the length distribution."""
+    s = batch.seq_lens
+    if s.size == 0:
+        return "batch: empty"
+    p50, p90 = (int(np.quantile(s, q)) for q in (0.5, 0.9))
+    at_max = int((s == s.max()).sum())
+    return (f"batch: {batch.num_samples:,} samples, {batch.num_prompts:,} prompts, {batch.num_rollouts:,} rollouts, "
+            f"{human(batch.total_tokens)} tokens; seq_len p50 {p50:,} · p90 {p90:,} · max {int(s.max()):,} "
+            f"({at_max:,} at the max)")
+
+
+def _config_line(cfg: PlanConfig) -> str:
+    cap = (f"cap {cfg.max_tokens_per_micro:,} tokens/GPU" if cfg.max_tokens_per_micro
+           else f"micro_batch_size {cfg.micro_batch_size}")
+    cp = cfg.context_parallel
+    cpd = "" if cp is None else (f" · CP {cp.size}" if cp.size else f" · dynamic CP ≤ {cp.max_size}")
+    align = f" · align {cfg.align}" if cfg.align > 1 else ""
+    assert cfg.cost is not None and cfg.loss is not None
+    return (f"dp={cfg.dp_size} · {cap}{cpd}{align} · sync={cfg.sync} · short_step={cfg.short_step} · "
+            f"cost {type(cfg.cost).__name__} · loss {cfg.loss.mode}")
+
+
+def _step_table(plan: Plan) -> list[str]:
+    ss = plan.stats.steps
+    rows = ["   step   samples    tokens     K  K_lb   max tok  lockstep/LB  step-sync/LB  pad"]
+    shown = ss if len(ss) <= _MAX_TABLE_ROWS else ss[: _MAX_TABLE_ROWS - 2]
+    for i, s in enumerate(shown):
+        lb = s.time_lower_bound or 1.0
+        rows.append(f"  {i:5d} {s.num_samples:9,} {human(s.num_tokens):>9} {s.micro_count:5d} "
+                    f"{s.micro_count_lower_bound:5d} {s.max_micro_tokens:9,} {s.lockstep_time / lb:12.3f} "
+                    f"{s.step_sync_time / lb:13.3f} {s.num_placeholders:4d}")
+    if len(shown) < len(ss):
+        rows.append(f"  ... {len(ss) - len(shown)} more steps")
+    return rows
+
+
+def _dropped_lines(plan: Plan) -> list[str]:
+    by_reason: dict[str, list[int]] = {}
+    for i, why in plan.drop_reasons.items():
+        by_reason.setdefault(why, []).append(i)
+    lines = []
+    for why, idx in by_reason.items():
+        head = ", ".join(map(str, idx[:6])) + (", ..." if len(idx) > 6 else "")
+        lines.append(f"  {len(idx):,} sample{'s' if len(idx) != 1 else ''} [{head}]: {why}")
+    return lines
+
+
+def format_summary(plan: Plan) -> str:
+    """A readable multi-line summary of a plan: layout, bounds, predicted time, drops."""
+    st, cfg = plan.stats, plan.config
+    lb = st.time_lower_bound
+    ratio = (lambda t: f"{t / lb:.3f}× LB") if lb > 0 else (lambda t: "n/a")
+    used = "lockstep" if cfg.sync == "micro" else "step-sync"
+    cap = cfg.max_tokens_per_micro
+    mx = f"{st.max_micro_tokens:,} / cap {cap:,} ({100 * st.max_micro_tokens / cap:.1f} %)" if cap else \
+        f"{st.max_micro_tokens:,} (static micro_batch_size {cfg.micro_batch_size})"
+    per_step = " ".join(f"{s.micro_count}/{s.micro_count_lower_bound}" for s in st.steps[:16])
+    per_step += " ..." if len(st.steps) > 16 else ""
+    lines = [
+        f"plan: {st.num_steps} step{'s' if st.num_steps != 1 else ''} · {_config_line(cfg)}",
+        f"  micro-batches per rank : {st.micro_count} over all steps vs lower bound {st.micro_count_lower_bound}"
+        + (f" (per step K/lower bound: {per_step})" if st.steps else ""),
+        f"  max tokens per GPU     : {mx}",
+        f"  rank imbalance         : {st.rank_imbalance:.3f} (max/mean total rank cost)",
+        f"  predicted time         : lockstep {human(st.lockstep_time, 4)} = {ratio(st.lockstep_time)} · "
+        f"step-sync {human(st.step_sync_time, 4)} = {ratio(st.step_sync_time)} · lower bound {human(lb, 4)} "
+        f"{cost_units(cfg)} (sync={cfg.sync}: {used} applies)",
+        f"  placeholders           : {st.num_placeholders}",
+        f"  dropped                : {st.num_dropped:,} of {st.num_samples:,} samples",
+    ]
+    lines += _dropped_lines(plan)
+    if st.steps:
+        lines += _step_table(plan)
+    lines.append(f"  fingerprint            : {plan.fingerprint()[:16]}")
+    return "\n".join(lines)
+
+
+# -- argument types ------------------------------------------------------------------------------
+
+def _int(minimum: int) -> Any:
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{v} must be >= {minimum}")
+        return v
+    parse.__name__ = "int"
+    return parse
+
+
+def _float(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _prompt_len(text: str) -> int | tuple[int, int]:
+    parts = text.split(",")
+    try:
+        vals = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be N or LO,HI (whole numbers)") from None
+    if len(vals) == 1:
+        return vals[0]
+    if len(vals) == 2:
+        return vals[0], vals[1]
+    raise argparse.ArgumentTypeError(f"{text!r} must be N or LO,HI")
+
+
+# -- parser --------------------------------------------------------------------------------------
+
+def _add_output(p: argparse.ArgumentParser, png_default: str | None) -> None:
+    p.add_argument("--json", metavar="OUT", help="write the plan as JSON (read it back with 'microplan validate')")
+    p.add_argument("--png", metavar="OUT", default=png_default,
+                   help=f"write a picture of the plan (needs matplotlib){'; default ' + png_default if png_default else ''}")
+    if png_default:
+        p.add_argument("--no-png", action="store_true", help="do not write the picture")
+    p.add_argument("--step", type=_int(0), default=None, metavar="S",
+                   help="step to draw in the PNG (default: all steps side by side)")
+
+
+def _add_layout(p: argparse.ArgumentParser) -> None:
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--max-tokens", type=_int(1), metavar="T", help="dynamic batching: most tokens per GPU per micro-batch")
+    size.add_argument("--micro-batch-size", type=_int(1), metavar="B", help="static batching: samples per micro-batch")
+    steps = p.add_mutually_exclusive_group()
+    steps.add_argument("--prompts-per-step", type=_int(1), metavar="P", help="whole prompt groups per optimizer step")
+    steps.add_argument("--rollouts-per-step", type=_int(1), metavar="R", help="whole rollouts per optimizer step")
+    steps.add_argument("--num-steps", type=_int(1), metavar="K", help="exactly K optimizer steps")
+    p.add_argument("--align", type=_int(1), default=1, metavar="A", help="micro-batches per rank per step: a multiple of A (VPP)")
+    p.add_argument("--short-step", choices=("pad", "drop", "error"), default="pad", help="when a step is too small to align")
+    p.add_argument("--sync", choices=("micro", "step"), default="micro",
+                   help="micro: ranks meet every micro-batch (FSDP, pipelines); step: once per step (DDP no_sync)")
+    p.add_argument("--loss", choices=LOSS_MODES, default="token-mean", metavar="MODE", help=f"one of {', '.join(LOSS_MODES)}")
+    p.add_argument("--norm-constant", type=_float, metavar="H", help="H of seq-mean-token-sum-norm")
+    p.add_argument("--grad-reduction", choices=("mean", "sum"), default="mean")
+    p.add_argument("--engine-divides-by-micro-count", action="store_true", help="the engine divides each micro loss by K (Megatron)")
+    p.add_argument("--cost", choices=("token", "flops"), default="token", help="cost model for balancing and predicted times")
+    p.add_argument("--linear", type=_float, metavar="X", help="flops cost: per-token coefficient (default 1)")
+    p.add_argument("--quadratic", type=_float, metavar="Y", help="flops cost: per squared-token coefficient (default 0)")
+    p.add_argument("--per-micro", type=_float, metavar="Z", help="fixed cost per micro-batch (default 0)")
+    cp = p.add_mutually_exclusive_group()
+    cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
+    cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
+    p.add_argument("--seed", type=_int(0), default=0, help="seed of tie-breaking")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``microplan`` argument parser (subcommands demo, plan, validate, trace)."""
+    top = _Parser(prog="microplan", description="Plan the data layout of distributed LLM RL training.")
+    sub = top.add_subparsers(dest="command", required=True, metavar="{demo,plan,validate,trace}")
+    d = sub.add_parser("demo", help="plan a bundled synthetic trace and show the result")
+    d.add_argument("--family", choices=FAMILIES, default="grpo-longtail")
+    d.add_argument("--dp", type=_int(1), default=8, help="data-parallel ranks")
+    d.add_argument("--max-tokens", type=_int(1), default=16384, metavar="T", help="tokens per GPU per micro-batch")
+    d.add_argument("--num-prompts", type=_int(1), default=256, metavar="P")
+    d.add_argument("--seed", type=_int(0), default=0, help="seed of the trace and the plan")
+    _add_output(d, "microplan_demo.png")
+    d.set_defaults(func=_cmd_demo)
+    p = sub.add_parser("plan", help="plan a batch file (JSONL, CSV, Parquet)")
+    p.add_argument("file", metavar="FILE")
+    p.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="override the format implied by the extension")
+    p.add_argument("--dp", type=_int(1), required=True, help="data-parallel ranks")
+    _add_layout(p)
+    _add_output(p, None)
+    p.set_defaults(func=_cmd_plan)
+    v = sub.add_parser("validate", help="re-check every invariant of a plan JSON")
+    v.add_argument("plan", metavar="PLAN.json")
+    v.set_defaults(func=_cmd_validate)
+    t = sub.add_parser("trace", help="write a synthetic RL trace to a batch file")
+    t.add_argument("family", choices=FAMILIES, metavar="FAMILY", help=f"one of {', '.join(FAMILIES)}")
+    t.add_argument("out", metavar="OUT")
+    t.add_argument("--num-prompts", type=_int(1), default=256, metavar="P")
+    t.add_argument("--samples-per-prompt", type=_int(1), default=8, metavar="G",
+                   help="responses per prompt (rollouts per prompt for stepwise-multiturn)")
+    t.add_argument("--max-len", type=_int(2), default=16384, metavar="L", help="context window (truncation)")
+    t.add_argument("--prompt-len", type=_prompt_len, metavar="N|LO,HI", help="prompt tokens (default 32,min(1024,L/2))")
+    t.add_argument("--seed", type=_int(0), default=0)
+    t.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="override the format implied by the extension")
+    t.set_defaults(func=_cmd_trace)
+    return top
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+def config_from_args(args: argparse.Namespace) -> PlanConfig:
+    """The PlanConfig the ``plan`` options describe; PlanError on inconsistent options."""
+    steps = (Steps(prompts_per_step=args.prompts_per_step) if args.prompts_per_step else
+             Steps(rollouts_per_step=args.rollouts_per_step) if args.rollouts_per_step else
+             Steps(num_steps=args.num_steps) if args.num_steps else None)
+    per_micro = 0.0 if args.per_micro is None else args.per_micro
+    if args.cost == "token":
+        if args.linear is not None or args.quadratic is not None:
+            raise PlanError("--linear/--quadratic set the flops cost model; add --cost flops (or drop them).")
+        cost: TokenCost | FlopsCost = TokenCost(per_micro=per_micro)
+    else:
+        cost = FlopsCost(linear=1.0 if args.linear is None else args.linear,
+                         quadratic=0.0 if args.quadratic is None else args.quadratic, per_micro=per_micro)
+    if args.loss == "seq-mean-token-sum-norm" and args.norm_constant is None:
+        raise PlanError("--loss seq-mean-token-sum-norm needs --norm-constant H (e.g. the max response length).")
+    loss = Loss(args.loss, grad_reduction=args.grad_reduction,
+                engine_divides_by_micro_count=args.engine_divides_by_micro_count, norm_constant=args.norm_constant)
+    cp = (ContextParallel(size=args.cp_size) if args.cp_size else
+          ContextParallel(max_size=args.cp_max_size) if args.cp_max_size else None)
+    return PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, micro_batch_size=args.micro_batch_size,
+                      steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
+                      loss=loss, context_parallel=cp, seed=args.seed)
+
+
+def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:
+    if args.json:
+        from .io import write_plan
+        write_plan(plan, args.json)
+        print(f"wrote plan JSON to {args.json}")
+    if args.png and not getattr(args, "no_png", False):
+        from .viz import plot_plan
+        if args.step is not None and args.step >= len(plan.steps):
+            raise PlanError(f"--step {args.step} is outside the plan's steps 0..{len(plan.steps) - 1}.")
+        plot_plan(plan, args.png, step=args.step)
+        print(f"wrote picture to {args.png}")
+
+
+def _demo_config(args: argparse.Namespace, family: str) -> tuple[int, ContextParallel | None]:
+    """The demo's trace window and CP: long-context gets 8× the cap and the CP to hold it."""
+    if family != "long-context":
+        return args.max_tokens, None
+    c = 8
+    cp = ContextParallel(max_size=c) if args.dp >= c else ContextParallel(size=c)
+    return c * args.max_tokens, cp
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    max_len, cp = _demo_config(args, args.family)
+    batch = generate(args.family, num_prompts=args.num_prompts, max_len=max_len, seed=args.seed)
+    per_step = max(1, args.num_prompts // 8)
+    cfg = PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, steps=Steps(prompts_per_step=per_step),
+                     context_parallel=cp, seed=args.seed)
+    plan = make_plan(batch, cfg)
+    print(f"microplan demo · trace {args.family!r} (seed {args.seed}, max_len {max_len:,}), "
+          f"{per_step} prompts per step")
+    print(describe_batch(batch))
+    print(format_summary(plan))
+    _write_outputs(plan, args)
+    return 0
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from .io import read_batch
+    cfg = config_from_args(args)
+    batch = read_batch(args.file, format=args.format)
+    plan = make_plan(batch, cfg)
+    print(f"{args.file}: {describe_batch(batch)}")
+    print(format_summary(plan))
+    _write_outputs(plan, args)
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from .io import read_plan
+    plan = read_plan(args.plan)
+    try:
+        plan.validate()
+    except PlanError as exc:
+        raise PlanError(f"{args.plan}: {exc}") from None
+    print(f"OK {plan.fingerprint()}  ({len(plan.steps)} steps, dp={plan.config.dp_size}, "
+          f"{plan.batch.num_samples:,} samples, {plan.dropped.size:,} dropped)")
+    return 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    from .io import write_batch
+    batch = generate(args.family, num_prompts=args.num_prompts, samples_per_prompt=args.samples_per_prompt,
+                     max_len=args.max_len, prompt_len=args.prompt_len, seed=args.seed)
+    write_batch(batch, args.out, format=args.format)
+    print(f"wrote {args.family!r} trace to {args.out}: {describe_batch(batch)}")
+    return 0
+
+
+def _error(message: str) -> int:
+    print(f"microplan: error: {' '.join(str(message).split())}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``microplan`` command line; returns the exit code (0 ok, 2 refused)."""
+    try:
+        args = build_parser().parse_args(argv)
+        return int(args.func(args))
+    except _UsageError as exc:
+        return _error(str(exc))
+    except PlanError as exc:
+        return _error(str(exc))
+    except BrokenPipeError:  # `microplan demo | head`: stop quietly, like other tools
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as exc:  # e.g. a full disk
+        return _error(f"{exc.filename + ': ' if exc.filename else ''}{exc.strerror or exc}")
+    except SystemExit as exc:  # --help
+        return exc.code if isinstance(exc.code, int) else 0
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,356 @@
+"""Read and write batches (JSONL, CSV, Parquet) and plans (JSON) — the only file I/O of microplan.
+
+Design note. A batch file holds one record per sample, in batch order, with the fields
+
+    seq_len (required) · prompt_len · loss_tokens · prompt_id · rollout_id
+
+(the singular names of :class:`microplan.Batch`'s arguments; other fields are ignored, so a
+rollout dump with ``reward`` or ``text`` columns reads as is). An optional field is either in
+every record or in none. Lengths are whole numbers; ids are ints or strings (in CSV, an id
+column whose every cell is a canonical int reads as ints, else as strings — use JSONL to keep
+string ids like ``"7"``). Every refusal is a :class:`PlanError` naming the file, the line
+(JSONL, 1-based) or row (CSV/Parquet: data row, 1-based, header excluded), the field and the
+value. Parquet needs ``pyarrow`` (``pip install 'microplan[parquet]'``), imported lazily.
+The planning core stays pure: nothing outside this module touches files.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .batch import Batch
+from .errors import PlanError
+from .plan import Plan
+
+__all__ = ["FIELDS", "FORMATS", "read_batch", "write_batch", "read_plan", "write_plan"]
+
+FIELDS = ("seq_len", "prompt_len", "loss_tokens", "prompt_id", "rollout_id")
+FORMATS = ("jsonl", "csv", "parquet")
+_LENGTHS = ("seq_len", "prompt_len", "loss_tokens")
+_EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
+               ".parquet": "parquet", ".pq": "parquet"}
+
+PathLike = str | os.PathLike[str]
+
+
+def _format(path: Path, format: str | None) -> str:
+    """The file format: ``format`` if given, else from the extension."""
+    if format is not None:
+        if format not in FORMATS:
+            raise PlanError(f"format={format!r} is not supported; choose one of {', '.join(FORMATS)}.")
+        return format
+    fmt = _EXTENSIONS.get(path.suffix.lower())
+    if fmt is None:
+        raise PlanError(f"{path}: cannot tell the format from the extension {path.suffix!r}; use .jsonl, .csv or "
+                        f".parquet, or pass format= (--format) one of {', '.join(FORMATS)}.")
+    return fmt
+
+
+def _open_error(path: Path, exc: OSError) -> PlanError:
+    if isinstance(exc, FileNotFoundError):
+        return PlanError(f"{path}: no such file.")
+    if isinstance(exc, IsADirectoryError):
+        return PlanError(f"{path}: is a directory, not a file.")
+    return PlanError(f"{path}: cannot open: {exc.strerror or exc}.")
+
+
+# -- reading batches ------------------------------------------------------------------------------
+
+def read_batch(path: PathLike, *, format: str | None = None) -> Batch:
+    """Read a :class:`Batch` from a JSONL, CSV or Parquet file (one record per sample).
+
+    Args:
+        path: the file. Format from the extension (``.jsonl``/``.ndjson``/``.json`` JSON lines,
+            ``.csv`` with a header row, ``.parquet``) unless ``format`` is given.
+        format: ``"jsonl"``, ``"csv"`` or ``"parquet"`` to override the extension.
+
+    Raises:
+        PlanError: missing file, unknown format, malformed record, a missing or bad field
+            (naming file, line/row, field and value), or a batch invariant (e.g. a rollout
+            spanning two prompts).
+    """
+    p = Path(path)
+    fmt = _format(p, format)
+    reader = {"jsonl": _jsonl_records, "csv": _csv_records, "parquet": _parquet_records}[fmt]
+    columns: dict[str, list[Any]] = {}
+    for n, (loc, rec) in enumerate(reader(p)):
+        _add_record(p, loc, rec, n, columns)
+    if not columns:
+        raise PlanError(f"{p}: holds no samples; a batch file needs one record per sample with a 'seq_len'.")
+    return _build(p, columns, int_ids=fmt == "csv")
+
+
+def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[str, list[Any]]) -> None:
+    """Append one record's known fields; an optional field must be in every record or in none."""
+    present = [name for name in FIELDS if rec.get(name) is not None]
+    if "seq_len" not in present:
+        raise PlanError(f"{p} {loc}: missing field 'seq_len' (tokens of prompt + response); fields are "
+                        f"{', '.join(FIELDS)}.")
+    if n == 0:
+        columns.update((name, []) for name in present)
+    elif len(present) != len(columns):
+        name = next(f for f in FIELDS if (f in present) != (f in columns))
+        here, first = ("has", "lacks") if name in present else ("lacks", "has")
+        raise PlanError(f"{p} {loc}: {here} field {name!r} but the first record {first} it; give {name!r} in "
+                        "every record or in none.")
+    for name, col in columns.items():
+        v = rec[name]
+        col.append(_length(p, loc, name, v) if name in _LENGTHS else _ident(p, loc, name, v))
+    seq = columns["seq_len"][-1]
+    for name in ("prompt_len", "loss_tokens"):
+        if name in columns and columns[name][-1] > seq:
+            raise PlanError(f"{p} {loc}: field {name!r}={columns[name][-1]} exceeds seq_len={seq}; seq_len counts "
+                            "prompt + response tokens.")
+
+
+def _length(p: Path, loc: str, name: str, v: Any) -> int:
+    """A whole-number token count, >= 1 for seq_len and >= 0 otherwise (CSV strings parsed)."""
+    if type(v) is int:                                   # the common case, fast
+        out = v
+    else:
+        out = _whole(v)
+        if out is None:
+            raise PlanError(f"{p} {loc}: field {name!r}={v!r} must be a whole number of tokens.")
+    lo = 1 if name == "seq_len" else 0
+    if out < lo:
+        raise PlanError(f"{p} {loc}: field {name!r}={out} must be >= {lo}.")
+    return out
+
+
+def _whole(v: Any) -> int | None:
+    """``v`` as an int when it is a whole number (int, integral float, or such a string), else None."""
+    if isinstance(v, str):
+        try:
+            return int(v)
+        except ValueError:
+            try:
+                v = float(v)
+            except ValueError:
+                return None
+    if isinstance(v, bool) or not isinstance(v, (int, float, np.integer, np.floating)):
+        return None
+    f = float(v)
+    return int(f) if math.isfinite(f) and f == int(f) else None
+
+
+def _ident(p: Path, loc: str, name: str, v: Any) -> int | str:
+    """An id: an int or a string."""
+    if isinstance(v, (int, np.integer)) and not isinstance(v, bool):
+        return int(v)
+    if isinstance(v, str):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    raise PlanError(f"{p} {loc}: field {name!r}={v!r} must be an int or a string id.")
+
+
+def _build(p: Path, columns: dict[str, list[Any]], *, int_ids: bool) -> Batch:
+    """Batch from the checked columns; ``int_ids``: read an id column of canonical-int strings
+    as ints (CSV has no types)."""
+    seq = columns["seq_len"]
+    ids = {k: columns.get(k) for k in ("prompt_id", "rollout_id")}
+    if int_ids:
+        ids = {k: None if v is None else _int_ids(v) for k, v in ids.items()}
+    try:
+        return Batch(np.asarray(seq, dtype=np.int64),
+                     loss_tokens=_opt_array(columns.get("loss_tokens")),
+                     prompt_lens=_opt_array(columns.get("prompt_len")),
+                     prompt_ids=ids["prompt_id"], rollout_ids=ids["rollout_id"])
+    except PlanError as exc:
+        raise PlanError(f"{p}: {exc} (sample i is the i-th record, counting from 0)") from None
+
+
+def _opt_array(values: list[int] | None) -> np.ndarray | None:
+    return None if values is None else np.asarray(values, dtype=np.int64)
+
+
+def _int_ids(values: list[Any]) -> list[Any]:
+    """A column of canonical-int strings (``"12"``, not ``"012"``) as ints; else unchanged."""
+    if values and all(isinstance(v, str) for v in values):
+        try:
+            ints = [int(v) for v in values]
+        except ValueError:
+            return values
+        if all(str(i) == v for i, v in zip(ints, values)):
+            return ints
+    return values
+
+
+def _jsonl_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, record)`` per non-blank line; a file starting with ``[`` is one JSON array."""
+    try:
+        f = p.open(encoding="utf-8")
+    except OSError as exc:
+        raise _open_error(p, exc) from None
+    with f:
+        first = f.read(1)
+        while first.isspace():
+            first = f.read(1)
+        f.seek(0)
+        if first == "[":
+            yield from _json_array(p, f.read())
+            return
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise PlanError(f"{p} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
+            if not isinstance(rec, dict):
+                raise PlanError(f"{p} line {lineno}: expected a JSON object per sample, got {type(rec).__name__}.")
+            yield f"line {lineno}", rec
+
+
+def _json_array(p: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        recs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PlanError(f"{p} line {exc.lineno}: not valid JSON ({exc.msg}).") from None
+    for i, rec in enumerate(recs):
+        if not isinstance(rec, dict):
+            raise PlanError(f"{p} element {i}: expected a JSON object per sample, got {type(rec).__name__}.")
+        yield f"element {i}", rec
+
+
+def _csv_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    try:
+        f = p.open(newline="", encoding="utf-8")
+    except OSError as exc:
+        raise _open_error(p, exc) from None
+    with f:
+        reader = csv.DictReader(f)
+        if reader.fieldnames is None:
+            return
+        names = [(h or "").strip() for h in reader.fieldnames]
+        if "seq_len" not in names:
+            raise PlanError(f"{p}: the header row {names} has no 'seq_len' column; columns are {', '.join(FIELDS)}.")
+        for row_no, row in enumerate(reader, 1):
+            if None in row:
+                raise PlanError(f"{p} row {row_no}: more cells than header columns.")
+            rec = {(k or "").strip(): (v.strip() if isinstance(v, str) else v) for k, v in row.items()}
+            empty = [k for k, v in rec.items() if v in (None, "") and k in FIELDS]
+            if empty:
+                raise PlanError(f"{p} row {row_no}: field {empty[0]!r} is empty; fill it (or drop the column).")
+            yield f"row {row_no}", rec
+
+
+def _parquet_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    pq = _pyarrow_parquet()
+    if not p.exists():
+        raise PlanError(f"{p}: no such file.")
+    try:
+        table = pq.read_table(p, columns=None)
+    except Exception as exc:  # pyarrow raises its own ArrowInvalid, OSError, ...
+        raise PlanError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc}).") from None
+    cols = {name: table.column(name).to_pylist() for name in FIELDS if name in table.column_names}
+    if "seq_len" not in cols:
+        raise PlanError(f"{p}: no 'seq_len' column (columns: {table.column_names}); columns are {', '.join(FIELDS)}.")
+    for i in range(table.num_rows):
+        rec = {k: v[i] for k, v in cols.items()}
+        for k, v in rec.items():
+            if v is None:
+                raise PlanError(f"{p} row {i + 1}: field {k!r} is null; fill it (or drop the column).")
+        yield f"row {i + 1}", rec
+
+
+def _pyarrow_parquet() -> Any:
+    try:
+        import pyarrow as pa  # noqa: F401
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise PlanError("reading or writing Parquet needs pyarrow: pip install 'microplan[parquet]' "
+                        "(or use JSONL/CSV).") from None
+    return pq
+
+
+# -- writing batches ------------------------------------------------------------------------------
+
+def _batch_columns(batch: Batch) -> dict[str, list[Any]]:
+    """The non-default fields of a batch, as JSON-ready columns."""
+    cols: dict[str, list[Any]] = {"seq_len": batch.seq_lens.tolist()}
+    if batch.prompt_lens is not None:
+        cols["prompt_len"] = batch.prompt_lens.tolist()
+    cols["loss_tokens"] = batch.loss_tokens.tolist()
+    if batch.prompt_ids is not None:
+        cols["prompt_id"] = list(batch.prompt_ids)
+    if batch.rollout_ids is not None:
+        cols["rollout_id"] = list(batch.rollout_ids)
+    return cols
+
+
+def write_batch(batch: Batch, path: PathLike, *, format: str | None = None) -> None:
+    """Write ``batch`` so that :func:`read_batch` gives an equal Batch back.
+
+    JSONL and Parquet round-trip exactly; CSV too, except string ids that look like ints
+    (``"7"``), which read back as ints. Writes ``seq_len``, ``loss_tokens`` and, when set,
+    ``prompt_len``, ``prompt_id``, ``rollout_id``. Raises PlanError when the file cannot be written.
+    """
+    if not isinstance(batch, Batch):
+        raise PlanError(f"write_batch takes a microplan.Batch, got {type(batch).__name__}.")
+    p = Path(path)
+    fmt = _format(p, format)
+    cols = _batch_columns(batch)
+    names = list(cols)
+    rows = zip(*cols.values())
+    try:
+        if fmt == "parquet":
+            _write_parquet(cols, p)
+            return
+        with p.open("w", newline="", encoding="utf-8") as f:
+            if fmt == "csv":
+                w = csv.writer(f)
+                w.writerow(names)
+                w.writerows(rows)
+            else:
+                for row in rows:
+                    f.write(json.dumps(dict(zip(names, row)), separators=(",", ":")) + "\n")
+    except OSError as exc:
+        raise PlanError(f"{p}: cannot write: {exc.strerror or exc}.") from None
+
+
+def _write_parquet(cols: dict[str, list[Any]], p: Path) -> None:
+    pq = _pyarrow_parquet()
+    import pyarrow as pa
+    try:
+        table = pa.table(cols)
+    except (pa.ArrowInvalid, pa.ArrowTypeError) as exc:
+        raise PlanError(f"{p}: a Parquet column needs one type, but the ids mix ints and strings ({exc}); "
+                        "write JSONL, or make the ids all strings.") from None
+    pq.write_table(table, p)
+
+
+# -- plans ---------------------------------------------------------------------------------------
+
+def write_plan(plan: Plan, path: PathLike, *, indent: int | None = None) -> None:
+    """Write ``plan.to_json()`` to ``path`` (compact unless ``indent``); PlanError if unwritable."""
+    if not isinstance(plan, Plan):
+        raise PlanError(f"write_plan takes a microplan.Plan, got {type(plan).__name__}.")
+    p = Path(path)
+    try:
+        p.write_text(plan.to_json(indent=indent) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise PlanError(f"{p}: cannot write: {exc.strerror or exc}.") from None
+
+
+def read_plan(path: PathLike) -> Plan:
+    """Read a plan written by :func:`write_plan`; PlanError naming the file if missing or malformed."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise _open_error(p, exc) from None
+    except UnicodeDecodeError:
+        raise PlanError(f"{p}: not a text file; expected a plan written by write_plan / --json.") from None
+    try:
+        return Plan.from_json(text)
+    except PlanError as exc:
+        raise PlanError(f"{p}: {exc}") from None

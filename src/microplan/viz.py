@@ -1,0 +1,224 @@
+"""One picture of a plan: a ranks × micro-batches heat map of predicted cost, plus rank totals.
+
+Design note. Left panel: cell (r, m) is micro-batch m of rank r, coloured by its predicted cost
+under the plan's cost model (``microplan.stats.micro_cost_grid``); placeholders are grey and
+hatched; with ``step=None`` all steps sit side by side, separated by white lines. Small grids
+(≤ 16 ranks, ≤ 256 cells) print each cell's tokens per GPU; large ones (dp=128) stay a clean
+heat map with thinned ticks. Right panel: each rank's total cost (bars, same rows), with the
+mean and the time lower bound marked. The title carries dp, K vs its lower bound, max tokens
+vs the cap, lockstep and step-sync time vs the lower bound, imbalance and placeholder count.
+
+matplotlib is imported lazily and used through ``matplotlib.figure.Figure`` (the Agg canvas
+behind ``savefig``), never pyplot: no global backend switch, safe inside notebooks and servers.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .errors import PlanError
+from .stats import micro_cost_grid
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+__all__ = ["plot_plan", "human", "cost_units"]
+
+_TEXT_MAX_RANKS = 16
+_TEXT_MAX_CELLS = 256
+
+
+def human(x: float, digits: int = 3) -> str:
+    """Compact number with ``digits`` significant digits: 14942 → '14.9k', 1098765 → '1.1M'."""
+    a = abs(x)
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if a >= scale:
+            v = x / scale
+            return f"{v:.{digits}g}{suffix}" if abs(v) < 10 ** digits else f"{v:.0f}{suffix}"
+    return f"{x:.0f}" if float(x).is_integer() or a >= 10 ** (digits - 1) else f"{x:.{digits}g}"
+
+
+def _figure_class() -> Any:
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]' (or leave out --png).") from None
+    return Figure
+
+
+def _cp_groups(plan: Plan, steps: list[int]) -> list[tuple[int, int, int, int]]:
+    """``(column, first rank, last rank, cp_size)`` of every multi-rank (dynamic) CP group."""
+    out, offset = [], 0
+    for s in steps:
+        for row in plan.steps[s].micros:
+            for m, micro in enumerate(row):
+                if len(micro.cp_group) > 1 and micro.cp_rank == 0:
+                    out.append((offset + m, min(micro.cp_group), max(micro.cp_group), micro.cp_size))
+        offset += plan.steps[s].micro_count
+    return out
+
+
+def _grids(plan: Plan, steps: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Cost, per-GPU tokens and placeholder mask, steps side by side; plus each step's K."""
+    costs, tokens, holes = [], [], []
+    for s in steps:
+        micros = plan.steps[s].micros
+        costs.append(micro_cost_grid(plan, s))
+        tokens.append(np.array([[-(-m.num_tokens // m.cp_size) for m in row] for row in micros], dtype=np.int64))
+        holes.append(np.array([[m.is_placeholder for m in row] for row in micros], dtype=bool))
+    return np.hstack(costs), np.hstack(tokens), np.hstack(holes), [plan.steps[s].micro_count for s in steps]
+
+
+def _title(plan: Plan, steps: list[int]) -> str:
+    st, cfg = plan.stats, plan.config
+    if len(steps) == 1:
+        ss = st.steps[steps[0]]
+        head = f"step {steps[0]} of {st.num_steps}"
+        k, k_lb, mx, ph = ss.micro_count, ss.micro_count_lower_bound, ss.max_micro_tokens, ss.num_placeholders
+        lock, sync, lb, rc = ss.lockstep_time, ss.step_sync_time, ss.time_lower_bound, np.array(ss.rank_costs)
+        imb = float(rc.max() / rc.mean()) if rc.size and rc.mean() > 0 else 1.0
+        kdesc = f"K={k} micro-batches/rank (lower bound {k_lb})"
+    else:
+        head = f"all {st.num_steps} steps"
+        mx, ph, lock, sync, lb, imb = (st.max_micro_tokens, st.num_placeholders, st.lockstep_time,
+                                       st.step_sync_time, st.time_lower_bound, st.rank_imbalance)
+        kdesc = f"ΣK={st.micro_count} micro-batches/rank (lower bound {st.micro_count_lower_bound})"
+    cap = f"cap {cfg.max_tokens_per_micro:,}" if cfg.max_tokens_per_micro else f"micro_batch_size {cfg.micro_batch_size}"
+    cp = plan.config.context_parallel
+    cpdesc = "" if cp is None else (f" · CP={cp.size}" if cp.size else f" · dynamic CP ≤{cp.max_size}")
+    ratio = (lambda t: f"{t / lb:.3f}× LB") if lb > 0 else (lambda t: "n/a")
+    return (f"microplan · {head} · dp={cfg.dp_size}{cpdesc} · {kdesc} · {ph} placeholder{'s' if ph != 1 else ''}\n"
+            f"max {mx:,} tokens/GPU vs {cap} · predicted time: lockstep {ratio(lock)}, "
+            f"step-sync {ratio(sync)} · rank imbalance {imb:.3f}")
+
+
+def plot_plan(plan: Plan, path: str | os.PathLike[str], *, step: int | None = 0, dpi: int = 120) -> Path:
+    """Write a PNG picture of ``plan`` to ``path`` and return the path.
+
+    Args:
+        plan: a :class:`microplan.Plan` with at least one step.
+        path: output file (PNG).
+        step: the step to draw (default 0), or None for all steps side by side.
+        dpi: resolution of the PNG.
+
+    Raises:
+        PlanError: matplotlib missing (with the install hint), an empty plan, a step out of range,
+            or an unwritable path.
+    """
+    Figure = _figure_class()
+    n = len(plan.steps)
+    if n == 0:
+        raise PlanError("the plan has no steps to plot (empty batch, or every sample dropped).")
+    if step is not None and not (isinstance(step, int) and 0 <= step < n):
+        raise PlanError(f"step={step!r} is outside 0..{n - 1}; pick a step of the plan or None for all.")
+    steps = list(range(n)) if step is None else [step]
+    cost, tokens, holes, ks = _grids(plan, steps)
+    dp, cols = cost.shape
+    size = (max(11.0, min(18.0, 6.0 + 0.28 * cols)), max(4.5, min(10.0, 3.4 + 0.42 * dp)))
+    fig = Figure(figsize=size, layout="constrained")
+    ax, axb = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [4, 1]})
+    _heatmap(fig, ax, plan, cost, tokens, holes, ks, step)
+    _rank_bars(axb, plan, cost, steps)
+    fig.suptitle(_title(plan, steps), fontsize=10)
+    out = Path(path)
+    try:
+        fig.savefig(out, dpi=dpi)
+    except OSError as exc:
+        raise PlanError(f"{out}: cannot write the PNG: {exc.strerror or exc}.") from None
+    return out
+
+
+def cost_units(config: Any) -> str:
+    """The unit of a config's cost figures: 'tokens' for TokenCost, else 'cost units'."""
+    return "tokens" if type(config.cost).__name__ == "TokenCost" else "cost units"
+
+
+def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray, holes: np.ndarray,
+             ks: list[int], step: int | None) -> None:
+    import matplotlib as mpl
+    from matplotlib.patches import Rectangle
+
+    dp, cols = cost.shape
+    cmap = mpl.colormaps["viridis"].with_extremes(bad="#d0d0d0")
+    shown = np.ma.masked_array(cost, mask=holes)
+    real = cost[~holes]
+    vmin, vmax = (float(real.min()), float(real.max())) if real.size else (0.0, 1.0)
+    im = ax.imshow(shown, aspect="auto", cmap=cmap, vmin=vmin, vmax=max(vmax, vmin + 1e-9),
+                   interpolation="nearest")
+    for r, m in zip(*np.nonzero(holes)):
+        ax.add_patch(Rectangle((m - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#808080", lw=0))
+    groups = _cp_groups(plan, list(range(len(plan.steps))) if step is None else [step])
+    for m, r0, r1, _c in groups:
+        ax.add_patch(Rectangle((m - 0.5, r0 - 0.5), 1, r1 - r0 + 1, fill=False, edgecolor="white",
+                               lw=1.5 if cols <= 64 else 0.8))
+    if dp <= _TEXT_MAX_RANKS and dp * cols <= _TEXT_MAX_CELLS:
+        mid = (vmin + vmax) / 2
+        for r in range(dp):
+            for m in range(cols):
+                txt, colour = ("pad", "#404040") if holes[r, m] else (human(tokens[r, m]), "black" if cost[r, m] > mid else "white")
+                ax.text(m, r, txt, ha="center", va="center", fontsize=7 if cols > 16 else 8, color=colour)
+    bounds = np.cumsum(ks)[:-1]
+    for b in bounds:
+        ax.axvline(b - 0.5, color="white", lw=2.5)
+    if step is None:
+        centers = np.cumsum(ks) - np.asarray(ks) / 2 - 0.5
+        every = max(1, len(ks) // 24)
+        ax.set_xticks(centers[::every], [f"step {s}" for s in range(len(ks))][::every],
+                      fontsize=8, rotation=0 if len(ks) <= 10 else 45)
+        ax.set_xlabel("micro-batch slots, step by step")
+    else:
+        ax.set_xticks(_ticks(cols))
+        ax.set_xlabel(f"micro-batch m (step {step})")
+    ax.set_yticks(_ticks(dp))
+    ax.set_ylabel("DP rank")
+    ax.tick_params(length=2)
+    cbar = fig.colorbar(im, ax=ax, location="bottom", fraction=0.06, pad=0.02, aspect=50)
+    note = "; cell text: tokens per GPU" if dp <= _TEXT_MAX_RANKS and dp * cols <= _TEXT_MAX_CELLS else ""
+    note += "; white boxes: context-parallel groups" if groups else ""
+    cbar.set_label(f"predicted micro-batch cost ({cost_units(plan.config)}); grey hatched = placeholder{note}", fontsize=8)
+
+
+def _ticks(n: int) -> np.ndarray:
+    """At most ~16 integer ticks over 0..n-1."""
+    stride = max(1, int(np.ceil(n / 16)))
+    return np.arange(0, n, stride)
+
+
+def _rank_bars(ax: Any, plan: Plan, cost: np.ndarray, steps: list[int]) -> None:
+    totals = cost.sum(axis=1)
+    dp = totals.size
+    lb = sum(plan.stats.steps[s].time_lower_bound for s in steps)
+    mean = float(totals.mean())
+    worst = int(np.argmax(totals))
+    colours = np.where(np.arange(dp) == worst, "#d62728", "#4c72b0")
+    ax.barh(np.arange(dp), totals, height=0.8 if dp <= 64 else 1.0, color=colours)
+    ax.axvline(mean, color="black", ls="--", lw=1, label=f"mean {mean:,.0f}")
+    ax.axvline(lb, color="#2ca02c", lw=1.5, label=f"lower bound {lb:,.0f}")
+    hi, lo = max(float(totals.max()), lb), min(float(totals.min()), lb)
+    span = max(hi - lo, 0.02 * hi)               # zoom, but never magnify < 2 % differences
+    left = lo - 0.6 * span
+    left = left if left > 0.25 * hi else 0.0      # a short zoom only confuses: start at 0
+    ax.set_xlim(left, hi + 0.25 * span)
+    _tick_labels(ax, hi)
+    zoom = f"\n(axis starts at {human(left)})" if left > 0 else ""
+    ax.set_xlabel(f"rank total ({cost_units(plan.config)}){zoom}")
+    ax.set_title(f"max/mean {totals.max() / mean:.3f}" if mean > 0 else "", fontsize=9)
+    from matplotlib.transforms import offset_copy
+    below = offset_copy(ax.transAxes, fig=ax.figure, y=-50, units="points")   # under the x label
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=below, fontsize=7, frameon=False)
+    ax.tick_params(labelleft=False, length=2)
+
+
+def _tick_labels(ax: Any, hi: float) -> None:
+    """About 4 x ticks, labelled in k/M with just enough decimals to tell them apart."""
+    from matplotlib.ticker import MaxNLocator
+    ax.xaxis.set_major_locator(MaxNLocator(4))
+    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    scale, suffix = next(((v, s) for v, s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")) if hi >= v), (1.0, ""))
+    vals = [t / scale for t in ticks]
+    dec = next((d for d in range(4) if all(abs(round(v, d) - v) < 1e-9 * max(1.0, abs(v)) for v in vals)), 3)
+    ax.set_xticks(ticks, [f"{v:.{dec}f}{suffix}" if v else "0" for v in vals])
