@@ -20,7 +20,7 @@ import numpy as np
 
 from .config import PlanConfig
 from .errors import PlanError
-from .pack import bins_lower_bound, lpt_pack, round_robin_pack
+from .pack import bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .refine import refine_bins
 
 __all__ = ["StepFit", "fit_step"]
@@ -63,10 +63,43 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndar
     K = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
     while True:
         m = min(n, D * K)
-        bin_of = lpt_pack(lens, costs, m, cap)
+        bin_of = _pack_slots(lens, costs, m, D, K, cap)
         if bin_of is not None:
-            return refine_bins(bin_of, lens, costs, m, cap), m, K
+            return bin_of, m, K
         K += a  # m == n always packs (one sample per bin), so this terminates
+
+
+def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
+    """Per-slot cost targets τ_0 ≥ τ_1 ≥ ... for lockstep balance (length K).
+
+    Lockstep time is Σ_m max_r cost(r, m), so micro-batches need equal cost *within* a slot, not
+    across slots. When the heaviest samples exceed the mean micro-batch cost (long samples at
+    the truncation limit), slot m's target is the larger of the (m·D+1)-th heaviest sample and
+    the mean of what is left; the other micro-batches of that slot are filled up to it, which
+    takes work away from later slots instead of leaving GPUs idle.
+    """
+    desc = np.sort(costs)[::-1]
+    left, out = float(costs.sum()), np.empty(K)
+    for m in range(K):
+        lead = float(desc[m * D]) if m * D < desc.size else 0.0
+        out[m] = max(left / (D * (K - m)), lead)
+        left = max(left - D * out[m], 0.0)
+    return out
+
+
+def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int) -> np.ndarray | None:
+    """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
+    bin_of = None
+    if m == D * K and K > 1:
+        offset = np.repeat(slot_targets(costs, D, K), D)
+        load = -offset  # LPT on (load − target): the bin with the most headroom first
+        bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load)
+        if bin_of is not None and np.bincount(bin_of, minlength=m).min() == 0:
+            bin_of = None
+        if bin_of is not None:
+            return refine_bins(bin_of, lens, costs, m, cap, offset=offset)
+    bin_of = lpt_pack(lens, costs, m, cap)
+    return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap)
 
 
 def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
@@ -75,9 +108,9 @@ def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> N
         return
     j = int(np.argmax(lens))
     cp = cfg.static_cp_size
-    where = f"max_tokens_per_micro={cfg.max_tokens_per_micro}" + (f" × cp size {cp}" if cp > 1 else "")
+    where = f"max_tokens_per_micro={cfg.max_tokens_per_micro}" + (f" × cp size {cp} = {cap}" if cp > 1 else "")
     raise PlanError(f"sample {int(step_samples[j])} has {int(lens[j])} tokens, more than one micro-batch may "
-                    f"hold ({where} = {cap}); raise max_tokens_per_micro, enable context_parallel, or truncate "
+                    f"hold ({where}); raise max_tokens_per_micro, enable context_parallel, or truncate "
                     "the sample.")
 
 

@@ -40,10 +40,12 @@ def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarra
 
 
 def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None,
-                *, max_iters: int | None = None, rel_tol: float = 1e-3) -> np.ndarray:
+                *, offset: np.ndarray | None = None, max_iters: int | None = None,
+                rel_tol: float = 1e-3) -> np.ndarray:
     """Return an improved copy of ``bin_of`` (same bins, same cap, lower or equal max cost).
 
-    Stops when the heaviest and lightest micro-batch differ by at most ``rel_tol`` of the mean
+    ``offset`` (per bin) makes the search balance ``cost − offset`` instead, i.e. toward
+    per-bin targets. Stops when the heaviest and lightest micro-batch differ by at most ``rel_tol`` of the mean
     load, when no exchange helps, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
     """
     if num_bins < 2 or bin_of.size <= num_bins:
@@ -52,9 +54,11 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1))
     members = [order[bounds[b]:bounds[b + 1]].tolist() for b in range(num_bins)]
     load = np.bincount(bin_of, weights=costs, minlength=num_bins)
+    if offset is not None:
+        load = load - offset
     tok = np.bincount(bin_of, weights=lens, minlength=num_bins).astype(np.int64)
     big = np.iinfo(np.int64).max // 4 if cap is None else cap
-    tol = rel_tol * float(load.mean())
+    tol = rel_tol * float(costs.sum()) / num_bins
     for _ in range(max_iters if max_iters is not None else min(2 * num_bins, 256)):
         h, l = int(np.argmax(load)), int(np.argmin(load))
         gap = float(load[h] - load[l])
