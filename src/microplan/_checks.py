@@ -23,7 +23,7 @@ def int_field(name: str, value: Any, *, minimum: int | None = None) -> int:
             raise PlanError(f"{name}={value!r} must be an int, got {type(value).__name__}.")
     value = int(value)
     if minimum is not None and value < minimum:
-        raise PlanError(f"{name}={value} must be >= {minimum}.")
+        raise PlanError(f"{name}={value} must be >= {minimum}; pass a value of at least {minimum}.")
     return value
 
 
@@ -31,14 +31,14 @@ def float_field(name: str, value: Any, *, minimum: float | None = None,
                 positive: bool = False) -> float:
     """Return ``value`` as a finite float, refusing NaN/inf, non-numbers and out-of-range values."""
     if isinstance(value, bool) or not isinstance(value, Real):
-        raise PlanError(f"{name}={value!r} must be a real number, got {type(value).__name__}.")
+        raise PlanError(f"{name}={value!r} must be a real number, got {type(value).__name__}; pass a float.")
     f = float(value)
     if not math.isfinite(f):
-        raise PlanError(f"{name}={value!r} must be finite (NaN and inf are not allowed).")
+        raise PlanError(f"{name}={value!r} must be finite (NaN and inf are not allowed); pass a finite number.")
     if positive and f <= 0:
-        raise PlanError(f"{name}={f} must be > 0.")
+        raise PlanError(f"{name}={f} must be > 0; pass a positive number.")
     if minimum is not None and f < minimum:
-        raise PlanError(f"{name}={f} must be >= {minimum}.")
+        raise PlanError(f"{name}={f} must be >= {minimum}; pass a value of at least {minimum}.")
     return f
 
 

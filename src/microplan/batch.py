@@ -23,10 +23,39 @@ from .errors import PlanError
 __all__ = ["Batch"]
 
 
+_FIX = {
+    "seq_lens": "pass each sample's packed length (prompt + response tokens) as an int >= 1, and leave "
+                "empty samples out of the batch.",
+    "loss_tokens": "pass each sample's loss-token count (its response-mask sum) as an int from 0 to its seq_lens.",
+    "prompt_lens": "pass each sample's prompt token count as an int from 0 to its seq_lens.",
+}
+
+
+_MAX_LEN = 2 ** 40  # keeps every sum of lengths far inside int64
+
+
+def _ints(name: str, values: Any, *, minimum: int) -> np.ndarray:
+    """``int_array`` with a fix appended to its message."""
+    try:
+        if isinstance(values, np.ndarray) and np.issubdtype(values.dtype, np.unsignedinteger) and values.size \
+                and int(values.max()) > _MAX_LEN:
+            i = int(np.argmax(values))
+            raise PlanError(f"{name}[{i}]={int(values[i])} is too large for a token count (at most {_MAX_LEN}).")
+        arr = int_array(name, values, minimum=minimum)
+        if arr.size and int(arr.max()) > _MAX_LEN:
+            i = int(np.argmax(arr))
+            raise PlanError(f"{name}[{i}]={int(arr[i])} is too large for a token count (at most {_MAX_LEN}).")
+        return arr
+    except PlanError as exc:
+        raise PlanError(f"{exc} Fix: {_FIX[name]}") from None
+
+
 def _factorize(name: str, ids: Any, n: int) -> tuple[np.ndarray, list[Any]]:
     """Dense codes in order of first appearance, plus the distinct ids in that order."""
     if isinstance(ids, np.ndarray) and ids.ndim != 1:
-        raise PlanError(f"{name} must be 1-D, got shape {ids.shape}.")
+        raise PlanError(f"{name} must be 1-D, got shape {ids.shape}; pass one id per sample.")
+    if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+        raise PlanError(f"{name}={ids!r} is not a sequence; pass one id (int or str) per sample.")
     values = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
     if len(values) != n:
         raise PlanError(f"{name} has {len(values)} entries but seq_lens has {n}; pass one id per sample.")
@@ -34,9 +63,9 @@ def _factorize(name: str, ids: Any, n: int) -> tuple[np.ndarray, list[Any]]:
     seen: dict[Hashable, int] = {}
     for i, v in enumerate(values):
         if isinstance(v, float) and v != v:
-            raise PlanError(f"{name}[{i}] is NaN; ids must be ints or strings.")
+            raise PlanError(f"{name}[{i}] is NaN; ids must be ints or strings: pass one int or str id per sample.")
         if not isinstance(v, (int, str, np.integer)) or isinstance(v, bool):
-            raise PlanError(f"{name}[{i}]={v!r} must be an int or a string.")
+            raise PlanError(f"{name}[{i}]={v!r} must be an int or a string: pass one int or str id per sample.")
         codes[i] = seen.setdefault(v, len(seen))
     return codes, list(seen)
 
@@ -69,28 +98,29 @@ class Batch:
                  prompt_lens: Sequence[int] | np.ndarray | None = None,
                  prompt_ids: Sequence[Any] | np.ndarray | None = None,
                  rollout_ids: Sequence[Any] | np.ndarray | None = None) -> None:
-        lens = int_array("seq_lens", seq_lens, minimum=1)
+        lens = _ints("seq_lens", seq_lens, minimum=1)
         n = lens.size
         plens = None
         if prompt_lens is not None:
-            plens = int_array("prompt_lens", prompt_lens, minimum=0)
+            plens = _ints("prompt_lens", prompt_lens, minimum=0)
             _same_length("prompt_lens", plens, n)
             over = plens > lens
             if over.any():
                 i = int(np.flatnonzero(over)[0])
-                raise PlanError(f"prompt_lens[{i}]={plens[i]} exceeds seq_lens[{i}]={lens[i]}; "
-                                "seq_lens counts prompt + response tokens.")
+                raise PlanError(f"prompt_lens[{i}]={plens[i]} exceeds seq_lens[{i}]={lens[i]}; seq_lens counts "
+                                "prompt + response tokens, so lower prompt_lens or fix seq_lens.")
         if loss_tokens is None:
             lt = lens - plens if plens is not None else lens.copy()
             lt.setflags(write=False)
         else:
-            lt = int_array("loss_tokens", loss_tokens, minimum=0)
+            lt = _ints("loss_tokens", loss_tokens, minimum=0)
             _same_length("loss_tokens", lt, n)
             over = lt > lens
             if over.any():
                 i = int(np.flatnonzero(over)[0])
-                raise PlanError(f"loss_tokens[{i}]={lt[i]} exceeds seq_lens[{i}]={lens[i]}; a sample "
-                                "cannot carry loss on more tokens than it has.")
+                raise PlanError(f"loss_tokens[{i}]={lt[i]} exceeds seq_lens[{i}]={lens[i]}; a sample cannot carry "
+                                "loss on more tokens than it has: pass the response-mask sum as loss_tokens, or fix "
+                                "seq_lens.")
         if rollout_ids is None:
             rcodes, rids = np.arange(n, dtype=np.int64), None
         else:

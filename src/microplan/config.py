@@ -10,11 +10,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ._checks import float_field, int_field
+from ._checks import float_field
+from ._checks import int_field as _int_field
 from .cost import CostModel, FlopsCost, TokenCost, cost_from_dict
 from .errors import PlanError
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
+
+_INT_FIX = {
+    "Steps.num_steps": "ask for a positive number of optimizer steps, e.g. Steps(num_steps=4).",
+    "Steps.prompts_per_step": "pass the prompts (GRPO groups) per optimizer step, e.g. Steps(prompts_per_step=32).",
+    "Steps.rollouts_per_step": "pass the rollouts per optimizer step, e.g. Steps(rollouts_per_step=256).",
+    "ContextParallel.size": "pass the CP degree, an int >= 1, e.g. ContextParallel(size=2).",
+    "ContextParallel.max_size": "pass the largest CP group, a power of two, e.g. ContextParallel(max_size=4).",
+    "PlanConfig.dp_size": "set dp_size to the number of data-parallel ranks, an int >= 1.",
+    "PlanConfig.max_tokens_per_micro": "set max_tokens_per_micro to the most tokens one GPU may process in one "
+                                       "micro-batch, an int >= 1.",
+    "PlanConfig.micro_batch_size": "set micro_batch_size to the samples per micro-batch, an int >= 1.",
+    "PlanConfig.align": "set align to 1, or to Megatron's microbatch_group_size_per_vp_stage under virtual "
+                        "pipeline parallelism.",
+    "PlanConfig.seed": "pass a non-negative int seed.",
+}
+
+
+def int_field(name: str, value: Any, *, minimum: int | None = None) -> int:
+    """``_checks.int_field`` with the fix for this field appended to its message."""
+    try:
+        return _int_field(name, value, minimum=minimum)
+    except PlanError as exc:
+        raise PlanError(f"{exc} Fix: {_INT_FIX[name]}") from None
 
 LOSS_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
               "seq-mean-token-sum-norm", "prompt-mean", "rollout-mean")
@@ -47,7 +71,8 @@ class Steps:
         given = [n for n in ("num_steps", "prompts_per_step", "rollouts_per_step") if getattr(self, n) is not None]
         if len(given) != 1:
             raise PlanError(f"Steps needs exactly one of num_steps, prompts_per_step, rollouts_per_step; "
-                            f"got {given or 'none'}.")
+                            f"got {given or 'none'}. Pass one, e.g. Steps(prompts_per_step=32), or steps=None "
+                            "for a single step.")
         name = given[0]
         object.__setattr__(self, name, int_field(f"Steps.{name}", getattr(self, name), minimum=1))
 
@@ -84,15 +109,21 @@ class Loss:
             raise PlanError(f"Loss.mode={self.mode!r} is not a known mode; choose one of {', '.join(LOSS_MODES)}.")
         if self.grad_reduction not in ("mean", "sum"):
             raise PlanError(f"Loss.grad_reduction={self.grad_reduction!r} must be 'mean' (DDP/FSDP average "
-                            "gradients over ranks) or 'sum'.")
+                            "gradients over ranks) or 'sum'; set the one your engine uses.")
         if not isinstance(self.engine_divides_by_micro_count, bool):
-            raise PlanError("Loss.engine_divides_by_micro_count must be a bool.")
+            raise PlanError(f"Loss.engine_divides_by_micro_count={self.engine_divides_by_micro_count!r} must be a "
+                            "bool; pass True when the engine divides each micro-batch loss by the micro count "
+                            "(Megatron), else False.")
         if self.mode == "seq-mean-token-sum-norm":
             if self.norm_constant is None:
                 raise PlanError("Loss mode 'seq-mean-token-sum-norm' needs norm_constant (H, e.g. the max "
                                 "response length): pass Loss('seq-mean-token-sum-norm', norm_constant=H).")
-            object.__setattr__(self, "norm_constant",
-                               float_field("Loss.norm_constant", self.norm_constant, positive=True))
+            try:
+                h = float_field("Loss.norm_constant", self.norm_constant, positive=True)
+            except PlanError as exc:
+                raise PlanError(f"{exc} Fix: pass a finite H > 0, e.g. the max response length: "
+                                "Loss('seq-mean-token-sum-norm', norm_constant=H).") from None
+            object.__setattr__(self, "norm_constant", h)
         elif self.norm_constant is not None:
             raise PlanError(f"Loss.norm_constant is only used by 'seq-mean-token-sum-norm', not {self.mode!r}; "
                             "drop it or change the mode.")
@@ -128,7 +159,8 @@ class ContextParallel:
     def __post_init__(self) -> None:
         given = [n for n in ("size", "max_size") if getattr(self, n) is not None]
         if len(given) != 1:
-            raise PlanError(f"ContextParallel needs exactly one of size (fixed) or max_size (dynamic); got {given or 'none'}.")
+            raise PlanError(f"ContextParallel needs exactly one of size (fixed) or max_size (dynamic); got "
+                            f"{given or 'none'}. Pass one, e.g. ContextParallel(size=2).")
         name = given[0]
         v = int_field(f"ContextParallel.{name}", getattr(self, name), minimum=1)
         if name == "max_size" and v & (v - 1):
@@ -184,33 +216,45 @@ class PlanConfig:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("dp_size", int_field("PlanConfig.dp_size", self.dp_size, minimum=1))
         if (self.max_tokens_per_micro is None) == (self.micro_batch_size is None):
-            raise PlanError("PlanConfig needs exactly one of max_tokens_per_micro (dynamic batching, tokens per "
-                            "GPU) and micro_batch_size (static batching, samples per micro-batch).")
+            got = ("both max_tokens_per_micro={} and micro_batch_size={}".format(self.max_tokens_per_micro,
+                                                                                 self.micro_batch_size)
+                   if self.max_tokens_per_micro is not None else "neither")
+            raise PlanError(f"PlanConfig needs exactly one of max_tokens_per_micro (dynamic batching, tokens per "
+                            f"GPU) and micro_batch_size (static batching, samples per micro-batch); got {got}. "
+                            "Pass only max_tokens_per_micro=<tokens per GPU> or only micro_batch_size=<samples>.")
         if self.max_tokens_per_micro is not None:
             set_("max_tokens_per_micro", int_field("PlanConfig.max_tokens_per_micro", self.max_tokens_per_micro, minimum=1))
+            if self.max_tokens_per_micro > 2 ** 50:
+                raise PlanError(f"PlanConfig.max_tokens_per_micro={self.max_tokens_per_micro} is beyond any GPU "
+                                "(at most 2**50 supported); set it to the most tokens one GPU may process in one "
+                                "micro-batch.")
         else:
             set_("micro_batch_size", int_field("PlanConfig.micro_batch_size", self.micro_batch_size, minimum=1))
         if self.steps is not None and not isinstance(self.steps, Steps):
             raise PlanError(f"PlanConfig.steps must be a microplan.Steps or None, got {type(self.steps).__name__}; "
-                            "e.g. Steps(prompts_per_step=32).")
+                            "pass e.g. steps=Steps(prompts_per_step=32).")
         set_("align", int_field("PlanConfig.align", self.align, minimum=1))
         if self.short_step not in ("pad", "drop", "error"):
-            raise PlanError(f"PlanConfig.short_step={self.short_step!r} must be 'pad', 'drop' or 'error'.")
+            raise PlanError(f"PlanConfig.short_step={self.short_step!r} must be 'pad', 'drop' or 'error'; set one of "
+                            "them (see the PlanConfig docstring).")
         if self.cost is None:
             set_("cost", TokenCost())
         elif not isinstance(self.cost, CostModel):
-            raise PlanError(f"PlanConfig.cost must be a cost model (TokenCost(), FlopsCost(...)), got {self.cost!r}.")
+            raise PlanError(f"PlanConfig.cost must be a cost model, got {self.cost!r}; pass cost=TokenCost(), "
+                            "FlopsCost(linear=..., quadratic=...) or FlopsCost.from_hf_config(config).")
         if self.sync not in ("micro", "step"):
             raise PlanError(f"PlanConfig.sync={self.sync!r} must be 'micro' (ranks meet every micro-batch: "
-                            "FSDP/ZeRO-3, pipelines) or 'step' (DDP with no_sync).")
+                            "FSDP/ZeRO-3, pipelines) or 'step' (DDP with no_sync); set one of them.")
         if self.loss is None:
             set_("loss", Loss("token-mean"))
         elif not isinstance(self.loss, Loss):
-            raise PlanError(f"PlanConfig.loss must be a microplan.Loss, got {self.loss!r}; e.g. Loss('token-mean').")
+            raise PlanError(f"PlanConfig.loss must be a microplan.Loss, got {self.loss!r}; pass e.g. "
+                            "loss=Loss('token-mean').")
         cp = self.context_parallel
         if cp is not None:
             if not isinstance(cp, ContextParallel):
-                raise PlanError("PlanConfig.context_parallel must be a microplan.ContextParallel or None.")
+                raise PlanError(f"PlanConfig.context_parallel must be a microplan.ContextParallel or None, got {cp!r}; "
+                                "pass e.g. context_parallel=ContextParallel(size=2).")
             if self.max_tokens_per_micro is None:
                 raise PlanError("context_parallel needs dynamic batching: set max_tokens_per_micro, not micro_batch_size.")
             if cp.dynamic and cp.max_size > self.dp_size:  # type: ignore[operator]

@@ -50,7 +50,8 @@ class Plan:
     def rank(self, r: int) -> list[tuple[Micro, ...]]:
         """Rank ``r``'s micro-batches, step by step: ``plan.rank(r)[s][m]``."""
         if not 0 <= r < self.config.dp_size:
-            raise PlanError(f"rank {r} is outside 0..{self.config.dp_size - 1} (dp_size={self.config.dp_size}).")
+            raise PlanError(f"rank {r} is outside 0..{self.config.dp_size - 1} (dp_size={self.config.dp_size}); "
+                            "pass this process's data-parallel rank.")
         return [step.micros[r] for step in self.steps]
 
     @cached_property

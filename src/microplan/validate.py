@@ -100,6 +100,11 @@ def validate_plan(plan: Plan) -> None:
             _fail(f"step {s} trains no sample")
         _check_scales(plan, step, s)
     dropped = plan.dropped
+    if dropped.size and (dropped.min() < 0 or dropped.max() >= b.num_samples):
+        bad = int(dropped[(dropped < 0) | (dropped >= b.num_samples)][0])
+        _fail(f"dropped sample {bad} is out of range 0..{b.num_samples - 1}")
+    if np.unique(dropped).size != dropped.size:
+        _fail("a sample is listed twice in dropped")
     if (owner[dropped] >= 0).any():
         _fail(f"sample {int(dropped[owner[dropped] >= 0][0])} is both dropped and planned")
     if set(plan.drop_reasons) != set(dropped.tolist()):

@@ -1,0 +1,112 @@
+"""The loss side of a packed micro-batch: per-token log-probs, shifted labels, the weighted scalar.
+
+Design note — alignment. microplan weights are *label aligned*: ``loss_weights[t]`` weighs
+ℓ[t], the loss of predicting token t, whose logits are at position t-1 of the same sample.
+:func:`token_logprobs` returns log-probs in that alignment (0 at every sample start, where no
+prediction exists), so ``weighted_loss(per_token_loss(token_logprobs(logits, p)), p)`` is the
+whole recipe. Frameworks that compute losses at *logit* positions (fused linear cross-entropy
+with labels shifted left) use :func:`next_token_labels` / :func:`next_token_weights`, or pass
+``aligned="logit"`` to :func:`weighted_loss`: the logits at the last token of a sample would
+predict the next sample's first token, and get label ``ignore_index`` and weight 0.
+
+The scalar to backward is ``Σ_t loss_weights[t] · ℓ[t]`` — a plain weighted SUM. Do not divide by
+token counts, micro counts or world sizes: the plan's ``loss_scale`` already folds in the loss
+mode's normaliser, the engine's 1/K (``engine_divides_by_micro_count``) and the gradient
+averaging over W ranks (``grad_reduction``), so the reduced gradient is exactly ∇J.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from ..errors import PlanError
+from .packing import PackedMicro
+
+__all__ = ["token_logprobs", "next_token_labels", "next_token_weights", "weighted_loss"]
+
+
+def _tokens_first(x: torch.Tensor, packed: PackedMicro, name: str, *, extra_dims: int) -> torch.Tensor:
+    """Accept ``[T, ...]`` or ``[1, T, ...]``; refuse anything whose token dimension is not T."""
+    T = packed.num_tokens
+    if x.dim() == extra_dims + 2 and x.shape[0] == 1:
+        x = x[0]
+    if x.dim() != extra_dims + 1 or x.shape[0] != T:
+        want = "[T]" if extra_dims == 0 else "[T, V]"
+        raise PlanError(f"{name} has shape {tuple(x.shape)}; this micro-batch needs {want} (or a leading batch "
+                        f"dim of 1) with T={T}.")
+    return x
+
+
+def token_logprobs(logits: torch.Tensor, packed: PackedMicro, *, temperature: float = 1.0) -> torch.Tensor:
+    """Label-aligned log-probs ``[T]``: entry t = log p(token t | the sample's tokens < t).
+
+    ``logits`` is the packed model output ``[T, V]`` or ``[1, T, V]`` (position t predicts
+    token t+1). Entry t is 0 where t starts a sample (no prediction; the logits at t-1 belong to
+    the previous sample). Differentiable; computed in the logits' dtype (upcast bf16 logits
+    yourself if you want float32 log-probs). ``temperature`` divides the logits first.
+    """
+    x = _tokens_first(logits, packed, "logits", extra_dims=1)
+    if temperature != 1.0:
+        x = x / temperature
+    ids = packed.input_ids.to(x.device)
+    prev = x[:-1]
+    lp = prev.gather(-1, ids[1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
+    lp = torch.cat([lp.new_zeros(1), lp])
+    start = packed.position_ids.to(x.device) == 0
+    return torch.where(start, torch.zeros_like(lp), lp)
+
+
+def _continues(packed: PackedMicro, device: torch.device) -> torch.Tensor:
+    """``[T]`` bool: position t+1 exists and belongs to the same sample as t."""
+    pos = packed.position_ids.to(device)
+    out = torch.zeros(pos.shape[0], dtype=torch.bool, device=device)
+    out[:-1] = pos[1:] != 0
+    return out
+
+
+def next_token_labels(packed: PackedMicro, *, ignore_index: int = -100) -> torch.Tensor:
+    """Logit-aligned labels ``[T]``: ``input_ids[t+1]`` where t+1 is in t's sample, else ``ignore_index``.
+
+    Only loss tokens matter for the weighted loss; non-loss positions keep their real label (pair
+    these labels with :func:`next_token_weights`, which is 0 there).
+    """
+    ids = packed.input_ids
+    nxt = torch.cat([ids[1:], ids.new_full((1,), ignore_index)])
+    return torch.where(_continues(packed, ids.device), nxt, torch.full_like(nxt, ignore_index))
+
+
+def next_token_weights(packed: PackedMicro) -> torch.Tensor:
+    """Logit-aligned weights ``[T]``: ``loss_weights[t+1]`` within a sample, 0 at each sample's last token."""
+    w = packed.loss_weights
+    nxt = torch.cat([w[1:], w.new_zeros(1)])
+    return torch.where(_continues(packed, w.device), nxt, torch.zeros_like(nxt))
+
+
+def weighted_loss(token_losses: torch.Tensor, packed: PackedMicro, *,
+                  aligned: Literal["token", "logit"] = "token") -> torch.Tensor:
+    """The scalar to backward for one micro-batch: ``Σ_t w[t] · token_losses[t]``.
+
+    Args:
+        token_losses: ``[T]`` (or ``[1, T]``) per-token losses ℓ, e.g. ``-A · logp`` or a PPO
+            clipped surrogate; only positions with nonzero weight contribute (NaN/inf elsewhere
+            is masked out of the value — keep them finite anyway, or their gradient is NaN).
+        packed: the micro-batch's :class:`PackedMicro`.
+        aligned: ``"token"`` (default) when ``token_losses[t]`` is the loss of token t (as from
+            :func:`token_logprobs`); ``"logit"`` when it sits at the logit position t that
+            predicts token t+1 (as from cross-entropy on :func:`next_token_labels`).
+
+    Returns a 0-dim tensor in the promoted dtype of losses and weights. A placeholder gives an
+    exact 0 that is still connected to the graph, so backward and the gradient all-reduce run.
+    Do not rescale it: see the module note.
+    """
+    if aligned not in ("token", "logit"):
+        raise PlanError(f"aligned={aligned!r} must be 'token' (loss of token t at t) or 'logit' (at t-1).")
+    x = _tokens_first(token_losses, packed, "token_losses", extra_dims=0)
+    if not (x.dtype.is_floating_point or x.dtype.is_complex):
+        raise PlanError(f"token_losses must be floating point, got {x.dtype}.")
+    w = packed.loss_weights if aligned == "token" else next_token_weights(packed)
+    w = w.to(x.device)
+    prod = x * w
+    return torch.where(w != 0, prod, torch.zeros_like(prod)).sum()

@@ -1,0 +1,260 @@
+"""Pack one planned micro-batch into varlen tensors: ``pack_micro(micro, token_ids) -> PackedMicro``.
+
+Design note. A micro-batch is packed as ONE row of T tokens (no padding): the samples of
+``micro.indices`` concatenated in execution order, ``position_ids`` restarting at 0 per sample,
+``cu_seqlens`` (int32, n+1 boundaries) and ``max_seqlen`` (a host int) for flash-attn /
+``torch.nn.attention.varlen`` / Hugging Face packed attention. Everything is built on the host
+(no device sync); move it with :meth:`PackedMicro.to`.
+
+Loss weights are *label aligned*: ``loss_weights[t]`` weighs the loss of predicting token t, whose
+logits sit at position t-1 of the same sample. A sample's first token is never predicted, so a
+loss mask that marks it is refused (PlanError); hence every position whose prediction would
+cross a sample boundary carries weight 0. ``loss_weights`` holds the sample's ``loss_scale`` on
+its loss tokens and 0 elsewhere, so Σ_t loss_weights[t]·ℓ[t] is exactly the per-micro loss the
+exactness contract of DESIGN.md asks for.
+
+A placeholder micro-batch (``micro.is_placeholder``) packs to one dummy token (``pad_token_id``)
+with weight 0, ``cu_seqlens=[0, 1]`` and an empty ``sample_indices``: a valid model input with
+every field a real one has, so a rank runs forward/backward like its peers and contributes an
+exact zero (the slime seed #1860: empty micro-batches crashed ``torch.cat`` deep downstream).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import PlanError
+from ..types import Micro
+
+__all__ = ["PackedMicro", "pack_micro", "pack_values"]
+
+
+@dataclass(frozen=True, eq=False)
+class PackedMicro:
+    """One micro-batch as a single packed row (binding API: see DESIGN.md).
+
+    Attributes:
+        input_ids: ``[T]`` int64 tokens of the samples, concatenated in execution order.
+        position_ids: ``[T]`` int64, restarting at 0 at every sample start.
+        cu_seqlens: ``[n+1]`` int32 cumulative sample lengths, ``0 .. T`` (a placeholder has the
+            one dummy sequence: ``[0, 1]``).
+        max_seqlen: longest packed sequence, a Python int (flash-attn wants it on the host).
+        loss_weights: ``[T]`` float; the sample's ``loss_scale`` on its loss tokens, 0 elsewhere.
+            Label aligned: weight t applies to the loss of predicting token t (logits at t-1).
+        loss_mask: ``[T]`` bool, the loss tokens (True even where a loss_scale is 0).
+        sample_indices: ``[n]`` int64 global sample indices (empty for a placeholder).
+        seq_lens: host tuple of the packed sequence lengths (``(1,)`` for a placeholder).
+        is_placeholder: True for the 1-token dummy of a placeholder micro-batch.
+        cp_size: the micro-batch's context-parallel degree (the plan's ``Micro.cp_size``).
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    loss_weights: torch.Tensor
+    loss_mask: torch.Tensor
+    sample_indices: torch.Tensor
+    seq_lens: tuple[int, ...]
+    is_placeholder: bool = False
+    cp_size: int = 1
+
+    @property
+    def num_tokens(self) -> int:
+        """T, the packed length (1 for a placeholder)."""
+        return int(sum(self.seq_lens))
+
+    @property
+    def num_samples(self) -> int:
+        """Real samples packed (0 for a placeholder)."""
+        return 0 if self.is_placeholder else len(self.seq_lens)
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedMicro:
+        """A copy with every tensor on ``device`` (dtypes kept; host fields untouched)."""
+        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
+                       cu_seqlens=mv(self.cu_seqlens), loss_weights=mv(self.loss_weights),
+                       loss_mask=mv(self.loss_mask), sample_indices=mv(self.sample_indices))
+
+    def model_inputs(self) -> dict[str, torch.Tensor]:
+        """``{"input_ids": [1, T], "position_ids": [1, T]}`` for a Hugging Face causal LM.
+
+        Call ``model(**packed.model_inputs(), attention_mask=None, use_cache=False)``: transformers
+        5.x then applies block-diagonal causal attention from the restarting position ids.
+        """
+        return {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None]}
+
+    def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Split a ``[T, ...]`` (or ``[1, T, ...]``) tensor into per-sample views (none for a placeholder)."""
+        T = self.num_tokens
+        x = packed[0] if packed.dim() >= 2 and packed.shape[0] == 1 and packed.shape[1] == T else packed
+        if x.dim() == 0 or x.shape[0] != T:
+            raise PlanError(f"cannot split a tensor of shape {tuple(packed.shape)} by this micro-batch: its "
+                            f"token dimension must be T={T} ([T, ...] or [1, T, ...]).")
+        return () if self.is_placeholder else tuple(torch.split(x, list(self.seq_lens)))
+
+    def validate(self) -> None:
+        """Check what varlen kernels silently trust; raise PlanError naming the first violation.
+
+        cu_seqlens: 1-D int32 of length n+1, starts at 0, strictly increasing, ends at T, and
+        agrees with ``seq_lens``; ``max_seqlen`` covers the longest sequence; every [T] field has
+        length T; position_ids restart at 0 at each boundary; loss weights are finite and 0
+        outside ``loss_mask`` and at sample starts. Syncs if the tensors live on a device.
+        """
+        T = self.num_tokens
+        cu = self.cu_seqlens
+        if cu.dim() != 1 or cu.dtype != torch.int32:
+            raise PlanError(f"cu_seqlens must be a 1-D int32 tensor, got shape {tuple(cu.shape)} dtype {cu.dtype}.")
+        c = cu.cpu().to(torch.int64)
+        if c.numel() != len(self.seq_lens) + 1 or c.numel() < 2:
+            raise PlanError(f"cu_seqlens has {c.numel()} entries; it needs n+1 = {len(self.seq_lens) + 1} "
+                            "(one boundary per sequence plus the leading 0).")
+        if int(c[0]) != 0 or int(c[-1]) != T or bool((c[1:] <= c[:-1]).any()):
+            raise PlanError(f"cu_seqlens={c.tolist()} must start at 0, strictly increase and end at T={T}.")
+        if c.diff().tolist() != list(self.seq_lens):
+            raise PlanError(f"cu_seqlens={c.tolist()} disagrees with seq_lens={list(self.seq_lens)}.")
+        if not isinstance(self.max_seqlen, int) or self.max_seqlen < max(self.seq_lens):
+            raise PlanError(f"max_seqlen={self.max_seqlen!r} must be a Python int >= the longest sequence "
+                            f"({max(self.seq_lens)}); varlen kernels read past it otherwise.")
+        for name in ("input_ids", "position_ids", "loss_weights", "loss_mask"):
+            t = getattr(self, name)
+            if tuple(t.shape) != (T,):
+                raise PlanError(f"{name} has shape {tuple(t.shape)}; it must be [T] = [{T}].")
+        pos = self.position_ids.cpu()
+        want = torch.arange(T) - torch.repeat_interleave(c[:-1], torch.tensor(self.seq_lens))
+        if not torch.equal(pos, want):
+            raise PlanError("position_ids must restart at 0 at every cu_seqlens boundary and count up by 1.")
+        w, m = self.loss_weights.cpu(), self.loss_mask.cpu()
+        if not bool(torch.isfinite(w).all()) or bool((w[~m] != 0).any()) or bool((m[c[:-1]]).any()):
+            raise PlanError("loss_weights must be finite and 0 outside loss_mask, and no sample's first token "
+                            "may carry loss (its prediction would come from the previous sample).")
+        if self.sample_indices.numel() != self.num_samples:
+            raise PlanError(f"sample_indices has {self.sample_indices.numel()} entries for {self.num_samples} samples.")
+
+
+def _entry(source: Any, i: int, what: str) -> Any:
+    try:
+        return source[i]
+    except (KeyError, IndexError):
+        kind = "dict" if isinstance(source, Mapping) else f"sequence of length {len(source)}"
+        raise PlanError(f"{what} ({kind}) has no entry for global sample {i}; index it by global sample "
+                        "index (Micro.indices), as Batch numbered the samples.") from None
+
+
+def _as_1d(x: Any, i: int, what: str, *, length: int) -> torch.Tensor:
+    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
+    if t.dim() != 1:
+        raise PlanError(f"{what}[{i}] must be 1-D, got shape {tuple(t.shape)}.")
+    if t.numel() != length:
+        raise PlanError(f"{what}[{i}] has {t.numel()} tokens but the plan packs sample {i} with seq_len={length}; "
+                        "the Batch's seq_lens must be the lengths of the token tensors you pack.")
+    return t.detach().cpu()
+
+
+def _token_tensor(x: Any, i: int, length: int) -> torch.Tensor:
+    t = _as_1d(x, i, "token_ids", length=length)
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise PlanError(f"token_ids[{i}] has dtype {t.dtype}; token ids must be integers.")
+    return t.to(torch.int64)
+
+
+def _mask_tensor(masks: Any, i: int, length: int, loss_tokens: int) -> torch.Tensor:
+    if masks is None:
+        m = torch.zeros(length, dtype=torch.bool)
+        if loss_tokens:
+            m[length - loss_tokens:] = True
+    else:
+        raw = _as_1d(_entry(masks, i, "loss_masks"), i, "loss_masks", length=length)
+        if raw.dtype != torch.bool and not bool(((raw == 0) | (raw == 1)).all()):
+            raise PlanError(f"loss_masks[{i}] must hold only 0/1 (or bools), got values {sorted(set(raw.tolist()))[:5]}.")
+        m = raw.to(torch.bool)
+        if int(m.sum()) != loss_tokens:
+            raise PlanError(f"loss_masks[{i}] marks {int(m.sum())} tokens but the Batch says loss_tokens={loss_tokens} "
+                            f"for sample {i}; the weights are only exact if Batch.loss_tokens is each mask's sum.")
+    if bool(m[0]):
+        raise PlanError(f"sample {i}: the loss mask marks its first token, which a causal LM never predicts "
+                        "(logits at position t predict token t+1 of the same sample). Give samples a prompt "
+                        "(Batch(prompt_lens=...) with prompt_lens >= 1) or keep loss_tokens <= seq_len - 1.")
+    return m
+
+
+def _placeholder(micro: Micro, pad_token_id: int, weight_dtype: torch.dtype) -> PackedMicro:
+    return PackedMicro(
+        input_ids=torch.full((1,), int(pad_token_id), dtype=torch.int64),
+        position_ids=torch.zeros(1, dtype=torch.int64),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
+        loss_weights=torch.zeros(1, dtype=weight_dtype), loss_mask=torch.zeros(1, dtype=torch.bool),
+        sample_indices=torch.zeros(0, dtype=torch.int64), seq_lens=(1,), is_placeholder=True,
+        cp_size=int(micro.cp_size))
+
+
+def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
+               loss_masks: Sequence[Any] | Mapping[int, Any] | None = None, pad_token_id: int = 0,
+               weight_dtype: torch.dtype = torch.float64) -> PackedMicro:
+    """Pack ``micro``'s samples into one varlen row (binding API; see the module note).
+
+    Args:
+        micro: a :class:`microplan.Micro` from ``plan.steps[s].micros[rank][m]``.
+        token_ids: ``token_ids[i]`` is the 1-D integer token tensor (or list/array) of GLOBAL
+            sample i; a list over the whole batch or a dict keyed by global index. Its length must
+            equal ``micro.seq_lens`` for that sample.
+        loss_masks: optional, same indexing; ``loss_masks[i]`` is sample i's 0/1 mask over its
+            tokens, summing to ``loss_tokens[i]``. Default: the last ``loss_tokens[i]`` positions.
+        pad_token_id: the dummy token of a placeholder.
+        weight_dtype: dtype of ``loss_weights``. float64 (default) keeps the plan's scales bit for
+            bit; multiplying float32/bf16 losses by it promotes only the [T] loss vector.
+
+    Raises:
+        PlanError: a missing sample, a length that disagrees with the plan, non-integer tokens,
+            a mask that is not 0/1, does not sum to ``loss_tokens`` or marks a sample's first token.
+    """
+    if not isinstance(micro, Micro):
+        raise PlanError(f"pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), got {type(micro).__name__}.")
+    if micro.is_placeholder:
+        return _placeholder(micro, pad_token_id, weight_dtype)
+    ids, masks, weights, lens = [], [], [], []
+    for i, n, k, scale in zip(micro.indices.tolist(), micro.seq_lens.tolist(), micro.loss_tokens.tolist(),
+                              micro.loss_scale.tolist()):
+        ids.append(_token_tensor(_entry(token_ids, i, "token_ids"), i, n))
+        m = _mask_tensor(loss_masks, i, n, k)
+        masks.append(m)
+        weights.append(m.to(torch.float64) * scale)
+        lens.append(n)
+    cu = np.concatenate([[0], np.cumsum(lens)])
+    packed = PackedMicro(
+        input_ids=torch.cat(ids), position_ids=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]),
+        cu_seqlens=torch.from_numpy(cu.astype(np.int32)), max_seqlen=int(max(lens)),
+        loss_weights=torch.cat(weights).to(weight_dtype), loss_mask=torch.cat(masks),
+        sample_indices=torch.from_numpy(micro.indices.astype(np.int64)), seq_lens=tuple(lens),
+        cp_size=int(micro.cp_size))
+    packed.validate()
+    return packed
+
+
+def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], *, fill: float = 0.0,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Pack per-sample values into the micro-batch's ``[T]`` layout (old log-probs, advantages...).
+
+    ``values[i]`` (indexed by GLOBAL sample index) is either a 1-D tensor of sample i's length
+    (token aligned like ``input_ids``) or a scalar broadcast over its tokens. A placeholder gives
+    ``[fill]``. The result is on the host; move it with ``.to(device)``.
+    """
+    if packed.is_placeholder:
+        return torch.full((1,), fill, dtype=dtype or torch.float64)
+    parts = []
+    for i, n in zip(packed.sample_indices.tolist(), packed.seq_lens):
+        v = _entry(values, i, "values")
+        t = v.detach().cpu() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+        if t.dim() == 0:
+            t = t.expand(n)
+        elif tuple(t.shape) != (n,):
+            raise PlanError(f"values[{i}] has shape {tuple(t.shape)}; give a scalar or a 1-D tensor of the "
+                            f"sample's {n} tokens.")
+        parts.append(t)
+    out = torch.cat(parts)
+    return out.to(dtype) if dtype is not None else out
