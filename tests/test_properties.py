@@ -16,8 +16,8 @@ from hypothesis import event, given, note
 from hypothesis import strategies as st
 
 import microplan as mp
-from reference import (ExpectedError, cases, check_num_steps, check_plan, configs, expected_split, replace,
-                       step_times)
+from reference import (ExpectedError, cases, check_num_steps, check_plan, configs, expected_split,
+                       lockstep_sorted_blocks, replace, sample_costs, step_times)
 
 
 def _check_stats(plan: mp.Plan) -> None:
@@ -36,12 +36,27 @@ def _check_stats(plan: mp.Plan) -> None:
         a, b = step_times(plan, s)
         lock, sync = lock + a, sync + b
         assert plan.steps[s].micro_count >= st_.steps[s].micro_count_lower_bound
+        _check_arrangement(plan, s, a)
     assert st_.lockstep_time == pytest.approx(lock, rel=1e-9)
     assert st_.step_sync_time == pytest.approx(sync, rel=1e-9)
     assert st_.predicted_time == (st_.lockstep_time if cfg.sync == "micro" else st_.step_sync_time)
     assert st_.predicted_time >= st_.time_lower_bound * (1 - 1e-9), "time lower bound is not a lower bound"
     assert st_.rank_imbalance >= 1 - 1e-12
     assert st_.micro_count_lower_bound <= st_.micro_count
+
+
+def _check_arrangement(plan: mp.Plan, s: int, lockstep: float) -> None:
+    """assign.py's documented guarantees for the given micro-batches: the lockstep time is the
+    minimum over all arrangements (sorted blocks of dp), and the ranks' totals differ by at most
+    one micro-batch's cost."""
+    cfg, step = plan.config, plan.steps[s]
+    dummy = float(sample_costs(cfg.cost, np.ones(1))[0])
+    grid = np.array([[(dummy if m.is_placeholder else float(sample_costs(cfg.cost, m.seq_lens).sum()) / m.cp_size)
+                      + cfg.cost.per_micro for m in row] for row in step.micros])
+    best = lockstep_sorted_blocks(grid.ravel().tolist(), cfg.dp_size)
+    assert lockstep <= best * (1 + 1e-9), f"step {s}: lockstep {lockstep} > best arrangement {best}"
+    totals = grid.sum(axis=1)
+    assert totals.max() - totals.min() <= grid.max() * (1 + 1e-9) + 1e-9, f"step {s}: rank totals {totals}"
 
 
 def _check_pad_plan(plan: mp.Plan, case, cfg, split, step_dropped) -> None:
