@@ -1,7 +1,8 @@
 """Exactness benchmark: worst relative gradient error of microplan's loss_scale, per mode and world size.
 
 Runs the experiment of tests/_exactness.py (tiny float64 Llama, packed varlen forwards, gloo
-worlds 1/2/4, 2 data sets × PPO / -A·logp × 4 layouts × 7 loss modes × 3 engine conventions),
+worlds 1/2/4, 2 data sets × PPO / -A·logp × 4-5 layouts (static CP 2 on even worlds) × 7 loss
+modes × 3 engine conventions),
 prints the worst ‖g − ∇J‖/‖∇J‖ per mode × world size and per convention, the naive per-micro
 token mean for contrast, and the packed-vs-unpacked forward difference, then writes everything to
 benchmarks/results/exactness-<YYYY-MM-DD>-<hostname>.json.
@@ -92,8 +93,8 @@ def main() -> None:
         row = summary["worst_by_convention_and_world"][conv]
         print(f"{conv:28s}" + "".join(f"{row[w]:12.2e}" for w in worlds))
     for w, r in out["worlds"].items():
-        print(f"W={w}: {r['micros']} micro-batches ({r['placeholders']} placeholders) in {r['wall_s']:.1f}s, "
-              f"ranks agree: {r['ranks_agree']}")
+        print(f"W={w}: {r['micros']} micro-batch forwards over all cases ({r['placeholders']} placeholders) "
+              f"in {r['wall_s']:.1f}s, ranks agree: {r['ranks_agree']}")
     for d, r in out["packed_vs_unpacked"].items():
         print(f"packed vs unpacked forward [{d}: {r['samples']} samples, {r['tokens']} tokens]: "
               f"max |Δ logits| = {r['logits_max_abs_diff']:.2e}, max |Δ logp| = {r['logprob_max_abs_diff']:.2e}")

@@ -1,7 +1,9 @@
 """The exactness experiment shared by tests/test_exactness.py and benchmarks/bench_exactness.py.
 
 For each world size W (one gloo spawn), every rank loops over cases = data set × per-token loss
-(PPO clipped surrogate, -A·logp) × batching layout, and within a case over all 7 loss modes × 3
+(PPO clipped surrogate, -A·logp) × batching layout (static CP 2 included on even worlds: gloo
+rank g is CP rank g % 2 of DP group g // 2 and backwards the loss of its half of the tokens; the
+full forward stands in for ring attention), and within a case over all 7 loss modes × 3
 engine conventions at once: the plan's layout does not depend on the loss, so one packed forward
 per micro-batch serves the 21 (mode, convention) losses, each ``weighted_loss(ℓ, pack_micro(...))``
 with its own plan's weights (÷K where the engine divides by the micro count), and one batched
@@ -39,13 +41,23 @@ NAIVE = ("naive-token-mean", "ddp-mean")  # extra row: each micro's token mean, 
 
 
 def layouts(world: int) -> dict[str, dict[str, Any]]:
-    """Batching layouts: static, dynamic, placeholder-forcing, and trailing prompts dropped."""
-    return {
+    """Batching layouts: static, dynamic, placeholder-forcing, trailing prompts dropped, and (even
+    worlds) static context parallel of degree 2: W/2 DP groups of 2 CP ranks, W = dp·cp."""
+    out = {
         "static": dict(micro_batch_size=2, steps=mp.Steps(prompts_per_step=3)),
         "dynamic": dict(max_tokens_per_micro=32, steps=mp.Steps(prompts_per_step=3)),
         "pad": dict(max_tokens_per_micro=24, steps=mp.Steps(prompts_per_step=1), align=max(1, 4 // world)),
         "trail": dict(max_tokens_per_micro=16, steps=mp.Steps(prompts_per_step=4), align=2, sync="step"),
     }
+    if world % 2 == 0:
+        out["cp2"] = dict(max_tokens_per_micro=16, steps=mp.Steps(prompts_per_step=3),
+                          context_parallel=mp.ContextParallel(size=2))
+    return out
+
+
+def cp_degree(world: int, layout: str) -> int:
+    cp = layouts(world)[layout].get("context_parallel")
+    return cp.size if cp is not None else 1
 
 
 def make_batch(ds: Dataset) -> mp.Batch:
@@ -54,7 +66,8 @@ def make_batch(ds: Dataset) -> mp.Batch:
 
 def make_config(world: int, layout: str, mode: str, conv: str) -> mp.PlanConfig:
     h = NORM_H if mode == "seq-mean-token-sum-norm" else None
-    return mp.PlanConfig(dp_size=world, loss=mp.Loss(mode, norm_constant=h, **CONVENTIONS[conv]),
+    return mp.PlanConfig(dp_size=world // cp_degree(world, layout),
+                         loss=mp.Loss(mode, norm_constant=h, **CONVENTIONS[conv]),
                          **layouts(world)[layout])
 
 
@@ -118,19 +131,26 @@ def _run_case(rank: int, world: int, model: torch.nn.Module, ds: Dataset, kind: 
     plans = [mp.plan(batch, make_config(world, layout, mode, conv)) for mode, conv in COMBOS]
     _same_layout(plans)
     rows = len(COMBOS) + 1
+    cp = cp_degree(world, layout)
+    plan_rank, cp_rank = divmod(rank, cp)  # gloo rank → (DP group = plan rank, position in its CP group)
     mean_rows = torch.tensor([CONVENTIONS[c].get("grad_reduction", "mean") == "mean" for _, c in COMBOS] + [True])
     errs: dict[tuple, float] = {}
-    counts = {"micros": 0, "placeholders": 0, "steps": 0, "dropped": int(plans[0].dropped.size)}
+    counts = {"micros": 0, "placeholders": 0, "steps": 0, "dropped": int(plans[0].dropped.size), "cp_size": 1}
     for s, step in enumerate(plans[0].steps):
         K = step.micro_count
         acc = torch.zeros(rows, sum(p.numel() for p in params), dtype=torch.float64)
         for m in range(K):
-            packs = [pack_micro(p.steps[s].micros[rank][m], ds.tokens, loss_masks=ds.masks) for p in plans]
+            packs = [pack_micro(p.steps[s].micros[plan_rank][m], ds.tokens, loss_masks=ds.masks) for p in plans]
             p0 = packs[0]
             counts["micros"] += 1
             counts["placeholders"] += p0.is_placeholder
+            counts["cp_size"] = max(counts["cp_size"], p0.cp_size)
             logp = token_logprobs(model(**p0.model_inputs(), attention_mask=None, use_cache=False).logits, p0)
             ell = per_token_loss(logp, pack_values(p0, ds.old_logp), pack_values(p0, ds.adv), kind)
+            if cp > 1:  # CP: this rank holds (and backwards the loss of) one contiguous chunk of the tokens;
+                # the full forward stands in for ring attention, whose backward also reaches all K/V
+                T = p0.num_tokens
+                ell = ell * ((torch.arange(T) * cp // T) == cp_rank).to(ell.dtype)
             losses = [weighted_loss(ell, pk) / (K if CONVENTIONS[conv].get("engine_divides_by_micro_count") else 1)
                       for pk, (_, conv) in zip(packs, COMBOS)]
             naive = (ell * p0.loss_mask).sum() / p0.loss_mask.sum().clamp(min=1) / K
@@ -172,7 +192,8 @@ def check_model_weights_agree(state: dict[str, torch.Tensor]) -> float:
     return max(float((v - state[k]).abs().max()) for k, v in m.state_dict().items())
 
 
-def packed_vs_unpacked(state: dict[str, torch.Tensor], ds: Dataset, *, restart_positions: bool = True) -> dict[str, float]:
+def packed_vs_unpacked(state: dict[str, torch.Tensor], ds: Dataset, *,
+                       restart_positions: bool = True) -> dict[str, float]:
     """Max |Δ| of logits and per-sample log-probs: one packed forward vs one forward per sample."""
     model = make_model(0)
     model.load_state_dict(state)

@@ -3,7 +3,14 @@
 The model is a 2-layer Hugging Face Llama with random weights (sdpa attention, float64). Its
 packed forward (one row, position_ids restarting at 0, attention_mask=None, use_cache=False)
 applies block-diagonal causal attention in transformers 5.x; ``eager`` attention is NOT used
-because its softmax runs in float32 (≈3e-8 error even in a float64 model).
+because its softmax runs in float32 (3–5e-8 error even in a float64 model).
+
+Precision trap: transformers' ``LlamaRMSNorm`` casts its input ``.to(torch.float32)`` — for a
+float64 model a DOWNcast — so forward and backward pass through float32 at every norm. Gradients
+are then float32-accurate only, and merely *reproducible* when the same per-token gradient
+arrives in one backward: splitting one micro-batch's loss over two backwards (as context
+parallel does) moved the gradient by 3e-8 relative. ``make_model`` therefore swaps every norm
+for a dtype-preserving one (same math, same parameters), making the model float64 end to end.
 
 ``reference_objective`` computes J from the table of DESIGN.md directly — per sample, per group
 — without microplan's coefficients, so the exactness tests check ``weigh.py`` rather than
@@ -20,8 +27,22 @@ import torch
 VOCAB = 32
 
 
+def _float64_norms(model: torch.nn.Module) -> None:
+    """Make every LlamaRMSNorm compute in its input dtype (HF's casts to float32; see module note)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    class RMSNormSameDtype(LlamaRMSNorm):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    for m in model.modules():
+        if type(m) is LlamaRMSNorm:
+            m.__class__ = RMSNormSameDtype
+
+
 def make_model(seed: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A 2-layer Llama (hidden 16, 2 heads, 1 KV head) with seeded random weights, sdpa attention."""
+    """A 2-layer Llama (hidden 16, 2 heads, 1 KV head) with seeded random weights, sdpa attention,
+    float64 end to end (dtype-preserving RMSNorm)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
@@ -32,6 +53,7 @@ def make_model(seed: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.nn
         for p in model.parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.3)
+    _float64_norms(model)
     return model.eval()
 
 

@@ -102,7 +102,9 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
     """Assert invariants 1–5 of DESIGN.md on ``plan``; return per-sample step and micro info."""
     n = seq_lens.size
     dp, align = cfg.dp_size, cfg.align
-    c = cfg.context_parallel.size if cfg.context_parallel is not None else 1
+    cp = cfg.context_parallel
+    dynamic_cp = cp is not None and cp.max_size is not None
+    c = cp.size if cp is not None and cp.size is not None else 1
     step_of = np.full(n, -1, dtype=np.int64)
     count = np.zeros(n, dtype=np.int64)
     for s, step in enumerate(plan.steps):
@@ -120,7 +122,18 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                 assert micro.indices.dtype == np.int64 and micro.loss_scale.dtype == np.float64
                 assert micro.seq_lens.dtype == np.int64 and micro.loss_tokens.dtype == np.int64
                 assert micro.is_placeholder == (len(idx) == 0)
-                assert micro.cp_size == c
+                if dynamic_cp:  # a power-of-two group of ranks that all run this same micro-batch
+                    w = micro.cp_size
+                    assert w >= 1 and w & (w - 1) == 0 and w <= cp.max_size
+                    g = micro.cp_group
+                    assert len(g) == w and g[micro.cp_rank] == r
+                    for q, other in enumerate(g):
+                        peer = step.micros[other][m]
+                        assert peer.cp_group == g and peer.cp_rank == q and peer.indices.tolist() == idx
+                    if idx and micro.cp_rank != 0:
+                        continue  # counted once, at CP rank 0
+                else:
+                    assert micro.cp_size == c
                 if not idx:  # invariant 5: explicit, empty, no loss
                     assert micro.seq_lens.size == micro.loss_tokens.size == micro.loss_scale.size == 0
                     assert micro.num_tokens == 0
@@ -133,8 +146,8 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                         assert micro.loss_scale[j] == 0.0
                 tokens = sum(int(seq_lens[i]) for i in idx)
                 assert micro.num_tokens == tokens
-                if cfg.max_tokens_per_micro is not None:  # invariant 3
-                    assert tokens <= c * cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap"
+                if cfg.max_tokens_per_micro is not None:  # invariant 3 (per GPU of the CP group)
+                    assert tokens <= micro.cp_size * cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap"
                 else:
                     assert len(idx) <= cfg.micro_batch_size
                 for i in idx:
@@ -170,15 +183,26 @@ def sample_costs(cost: Any, lens: np.ndarray) -> np.ndarray:
     return cost.linear * L + cost.quadratic * L * L
 
 
+def grad_world(cfg: mp.PlanConfig) -> int:
+    """W of DESIGN.md: dp × static CP degree; under dynamic CP every rank of the plane (dp)."""
+    cp = cfg.context_parallel
+    return cfg.dp_size * (cp.size if cp is not None and cp.size is not None else 1)
+
+
+def is_dynamic_cp(cfg: mp.PlanConfig) -> bool:
+    return cfg.context_parallel is not None and cfg.context_parallel.max_size is not None
+
+
 def step_times(plan: mp.Plan, s: int) -> tuple[float, float]:
-    """(lockstep, step-sync) time of step s, computed from the micro-batches directly."""
+    """(lockstep, step-sync) time of step s, computed from the micro-batches directly. A micro-batch
+    of CP degree c costs Σ sample costs / c + per_micro per GPU; a placeholder is one dummy token."""
     cfg, step = plan.config, plan.steps[s]
     cost = cfg.cost
     dummy = float(sample_costs(cost, np.ones(1))[0])
     grid = np.zeros((step.dp_size, step.micro_count))
     for r, row in enumerate(step.micros):
         for m, micro in enumerate(row):
-            body = dummy if micro.is_placeholder else float(sample_costs(cost, micro.seq_lens).sum()) / micro.cp_size
+            body = (dummy if micro.is_placeholder else float(sample_costs(cost, micro.seq_lens).sum())) / micro.cp_size
             grid[r, m] = body + cost.per_micro
     return float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())
 
@@ -511,12 +535,16 @@ def configs(draw, case: Case, *, cp: bool = True, max_dp: int = 256) -> mp.PlanC
     dp_max = max(1, min(max_dp, MICRO_BUDGET // (est * align)))
     dp = draw(st.one_of(st.integers(1, min(8, dp_max)), st.integers(1, dp_max)))
     c = draw(st.sampled_from([None, None, None, 2, 4])) if cp else None
+    dyn = c is not None and draw(st.booleans())
+    if dyn:  # dynamic CP: the plane's dp GPUs are cut into groups of up to c; dp % c == 0
+        dp = max(c, dp - dp % c)
     if draw(st.booleans()):
-        if c is not None:  # static CP: samples may be up to c × the per-GPU cap
+        if c is not None:  # CP: samples may be up to c × the per-GPU cap
             cap = -(-case.cap // c) + draw(st.integers(0, 3))
         else:
             cap = case.cap + draw(st.sampled_from([0, 0, 1, case.cap]))
-        size = dict(max_tokens_per_micro=cap, context_parallel=None if c is None else mp.ContextParallel(size=c))
+        cpc = None if c is None else (mp.ContextParallel(max_size=c) if dyn else mp.ContextParallel(size=c))
+        size = dict(max_tokens_per_micro=cap, context_parallel=cpc)
     else:
         size = dict(micro_batch_size=draw(st.integers(1, 16)))
     cost = draw(st.sampled_from([mp.TokenCost(), mp.TokenCost(per_micro=64.0),

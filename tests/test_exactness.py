@@ -2,7 +2,8 @@
 
 One gloo spawn per world size (1, 2, 4); each rank runs every case (2 data sets — GRPO groups and
 step-wise multi-turn rollouts with variable samples per prompt — × PPO clipped surrogate and
--A·logp × 4 layouts: static, dynamic, placeholders, trailing prompts dropped) × all 7 loss modes
+-A·logp × layouts: static, dynamic, placeholders, trailing prompts dropped, and on even worlds
+static context parallel 2 with W = dp·cp) × all 7 loss modes
 × 3 engine conventions (DDP/FSDP mean, Megatron 1/K, sum) on a tiny float64 Llama with packed
 varlen forwards. The reference ∇J is computed on one process from the DESIGN.md table (see
 tests/_exactness.py). The naive per-micro token mean is checked to be measurably wrong on the
@@ -11,6 +12,11 @@ same data, so these assertions can fail.
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -18,9 +24,9 @@ import microplan as mp
 from microplan.torch import pack_micro, token_logprobs, weighted_loss
 
 from _exactness import (COMBOS, DATASETS, KINDS, NAIVE, WORLDS, check_model_weights_agree, layouts, make_batch,
-                        one_thread, packed_vs_unpacked, rank_worker, reference_grads, setup)
+                        make_config, one_thread, packed_vs_unpacked, rank_worker, reference_grads, setup)
 from _gloo import RankError, run_gloo
-from _tiny_model import make_model
+from _tiny_model import make_model, padded_logprobs
 
 TOL = 1e-10
 
@@ -67,6 +73,7 @@ def test_cases_include_placeholders_drops_and_several_micros(experiment, world):
             assert ph > 0, case  # placeholder micro-batches really ran forward/backward
         assert (counts[0][case]["dropped"] > 0) == (case[2] == "trail")
         assert counts[0][case]["steps"] >= 1
+        assert counts[0][case]["cp_size"] == (2 if case[2] == "cp2" else 1)
     assert max(sum(c[case]["micros"] for c in counts) / counts[0][case]["steps"] for case in counts[0]) >= 4
 
 
@@ -85,7 +92,6 @@ def test_ranks_rebuild_the_same_model(experiment):
 def test_ppo_data_really_clips(experiment):
     _, data, _ = experiment
     with one_thread(), torch.no_grad():
-        from _tiny_model import padded_logprobs
         model = make_model(0)
         model.load_state_dict(experiment[0])
         ds = data["grpo"]
@@ -122,7 +128,6 @@ def test_reference_uses_every_step_of_every_layout(experiment):
     _, data, refs = experiment
     for dname, ds in data.items():
         batch = make_batch(ds)
-        from _exactness import make_config
         for w in WORLDS:
             for lay in layouts(w):
                 for s in mp.plan(batch, make_config(w, lay, "token-mean", "ddp-mean")).steps:
@@ -131,10 +136,6 @@ def test_reference_uses_every_step_of_every_layout(experiment):
 
 def test_grpo_example_runs_and_is_split_invariant():
     """examples/grpo_step.py end to end on 1 and 2 gloo ranks: same J and gradient norm per step."""
-    import re
-    import subprocess
-    import sys
-    from pathlib import Path
     script = Path(__file__).resolve().parent.parent / "examples" / "grpo_step.py"
     runs = {}
     for world in (1, 2):
@@ -145,3 +146,27 @@ def test_grpo_example_runs_and_is_split_invariant():
         runs[world] = [(float(j), float(g)) for _, j, g in steps]
     for (j1, g1), (j2, g2) in zip(runs[1], runs[2]):
         assert j1 == pytest.approx(j2, rel=1e-4) and g1 == pytest.approx(g2, rel=1e-4)
+
+
+def test_model_is_float64_end_to_end(experiment):
+    """One backward of a micro-batch's loss equals two backwards of its halves to float64 precision.
+
+    Guards the proof itself: with transformers' stock RMSNorm (which casts to float32) this
+    differs by ~3e-8, and gradient agreement would only show float32 reproducibility.
+    """
+    state, data, _ = experiment
+    ds = data["stepwise"]
+    micro = mp.plan(make_batch(ds), mp.PlanConfig(dp_size=1, micro_batch_size=3)).steps[0].micros[0][0]
+    p = pack_micro(micro, ds.tokens, loss_masks=ds.masks)
+    half = (torch.arange(p.num_tokens) * 2 // p.num_tokens).double()
+    with one_thread():
+        model = make_model(0)
+        model.load_state_dict(state)
+        params = list(model.parameters())
+
+        def grad(mask: torch.Tensor) -> torch.Tensor:
+            logp = token_logprobs(model(**p.model_inputs(), use_cache=False).logits, p)
+            return torch.cat([g.reshape(-1) for g in torch.autograd.grad(weighted_loss(-logp * mask, p), params)])
+
+        whole, a, b = grad(torch.ones_like(half)), grad(1 - half), grad(half)
+    assert float((whole - a - b).norm() / whole.norm()) < 1e-13

@@ -4,8 +4,8 @@ For random per-token losses ℓ (float64), J is computed per step straight from 
 (tests/reference.py:objective, which never calls weigh.py). The engine side is simulated as
 DESIGN.md describes it: each micro-batch on each rank computes L = Σ_j loss_scale_j Σ_t ℓ_jt,
 the engine divides it by K when ``engine_divides_by_micro_count``, gradients are summed over
-micro-batches and averaged over the W ranks (``grad_reduction="mean"``, W = dp × static CP) or
-summed (``"sum"``). Since J is linear in ℓ, agreement of the values for random ℓ is agreement of
+micro-batches and averaged over the W ranks (``grad_reduction="mean"``, W = dp × static CP, or
+dp under dynamic CP where the GPUs of a CP group hold shards of one micro-batch) or summed (``"sum"``). Since J is linear in ℓ, agreement of the values for random ℓ is agreement of
 the gradients; the per-sample coefficient is checked too (∂J/∂ℓ_it, by linearity).
 """
 
@@ -17,19 +17,21 @@ from hypothesis import given, note, reject
 from hypothesis import strategies as st
 
 import microplan as mp
-from reference import cases, configs, objective, replace
+from reference import cases, configs, grad_world, objective, replace
 
 
 def _engine_total(plan: mp.Plan, s: int, tok_sums: np.ndarray) -> float:
     """What the engine's reduced gradient corresponds to, for step s (see module docstring)."""
     cfg, step = plan.config, plan.steps[s]
-    W = cfg.dp_size * (cfg.context_parallel.size if cfg.context_parallel is not None else 1)
+    W = grad_world(cfg)
     K = step.micro_count
     total = 0.0
     for row in step.micros:
         for micro in row:
             if micro.is_placeholder:
                 assert micro.loss_scale.size == 0  # contributes exactly 0
+                continue
+            if micro.cp_rank != 0:  # a CP group's GPUs hold shards of ONE micro-batch: count it once
                 continue
             L = float(np.dot(micro.loss_scale, tok_sums[micro.indices]))
             if cfg.loss.engine_divides_by_micro_count:
@@ -100,7 +102,7 @@ def test_loss_scale_is_c_times_w_times_k(data, case):
         plan = mp.plan(case.batch(), cfg)
     except mp.PlanError:
         reject()
-    W = cfg.dp_size * (cfg.context_parallel.size if cfg.context_parallel is not None else 1)
+    W = grad_world(cfg)
     for step in plan.steps:
         coef = _coefficients(cfg.loss.mode, case, step.samples.tolist(), cfg.loss.norm_constant)
         w = W if cfg.loss.grad_reduction == "mean" else 1

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import microplan as mp
 from reference import (ExpectedError, cases, check_num_steps, check_plan, configs, expected_split,
-                       lockstep_sorted_blocks, replace, sample_costs, step_times)
+                       is_dynamic_cp, lockstep_sorted_blocks, replace, sample_costs, step_times)
 
 
 def _check_stats(plan: mp.Plan) -> None:
@@ -36,7 +36,8 @@ def _check_stats(plan: mp.Plan) -> None:
         a, b = step_times(plan, s)
         lock, sync = lock + a, sync + b
         assert plan.steps[s].micro_count >= st_.steps[s].micro_count_lower_bound
-        _check_arrangement(plan, s, a)
+        if not is_dynamic_cp(cfg):  # cp.py slots CP groups its own way
+            _check_arrangement(plan, s, a)
     assert st_.lockstep_time == pytest.approx(lock, rel=1e-9)
     assert st_.step_sync_time == pytest.approx(sync, rel=1e-9)
     assert st_.predicted_time == (st_.lockstep_time if cfg.sync == "micro" else st_.step_sync_time)
@@ -51,7 +52,7 @@ def _check_arrangement(plan: mp.Plan, s: int, lockstep: float) -> None:
     one micro-batch's cost."""
     cfg, step = plan.config, plan.steps[s]
     dummy = float(sample_costs(cfg.cost, np.ones(1))[0])
-    grid = np.array([[(dummy if m.is_placeholder else float(sample_costs(cfg.cost, m.seq_lens).sum()) / m.cp_size)
+    grid = np.array([[(dummy if m.is_placeholder else float(sample_costs(cfg.cost, m.seq_lens).sum())) / m.cp_size
                       + cfg.cost.per_micro for m in row] for row in step.micros])
     best = lockstep_sorted_blocks(grid.ravel().tolist(), cfg.dp_size)
     assert lockstep <= best * (1 + 1e-9), f"step {s}: lockstep {lockstep} > best arrangement {best}"
@@ -68,6 +69,8 @@ def _check_pad_plan(plan: mp.Plan, case, cfg, split, step_dropped) -> None:
             assert step.samples.tolist() == sorted(want.tolist())
     else:
         check_num_steps(plan, case.pc, cfg.steps.num_steps, fit_dropped_ok=False)
+    if is_dynamic_cp(cfg):  # empty bins merge into wider CP groups instead: checked by check_plan only
+        return
     for step in plan.steps:
         real = [m for row in step.micros for m in row if not m.is_placeholder]
         if step.num_placeholders:  # as many real micro-batches as there are samples
@@ -132,7 +135,8 @@ def test_random_plans_keep_invariants(data, case):
         s = short[0]
         msg = str(exc.value)
         assert re.search(rf"\bstep {s}\b", msg) and re.search(rf"\b{pad.steps[s].samples.size} samples\b", msg), msg
-        assert re.search(rf"\b{cfg.dp_size * pad.steps[s].micro_count} micro-batches\b", msg), msg  # the target
+        if not is_dynamic_cp(cfg):  # dynamic CP: see tests/test_seeds.py::test_dynamic_cp_error_names_the_target
+            assert re.search(rf"\b{cfg.dp_size * pad.steps[s].micro_count} micro-batches\b", msg), msg  # target
         assert "short_step=" in msg, msg  # the setting to change
         return
     _check_drop(case, cfg, pad, short, step_dropped)
@@ -165,7 +169,8 @@ def _check_drop(case, cfg, pad: mp.Plan, short: list[int], step_dropped: set[int
             continue
         kept, everything = set(got.samples.tolist()), full.samples.tolist()
         assert kept <= set(everything)
-        assert len(kept) >= cfg.dp_size * cfg.align
+        if not is_dynamic_cp(cfg):  # under dynamic CP one wide sample may fill several GPUs
+            assert len(kept) >= cfg.dp_size * cfg.align
         order = sorted({int(case.rc[i]) for i in everything})  # rollouts of the step, first appearance
         dropped_r = {int(case.rc[i]) for i in everything if i not in kept}
         assert dropped_r, f"step {s} had placeholders under 'pad' but dropped nothing"
@@ -185,11 +190,11 @@ def _assert_no_prefix_aligns(case, cfg, step_samples: np.ndarray, keep_from: int
         if int(case.rc[i]) not in order:
             order.append(int(case.rc[i]))
     R = len(order)
-    cand = [k for k in range(max(keep_from, 1), R) ]
+    cand = list(range(max(keep_from, 1), R))
     for k in cand[-limit:] + cand[:limit]:
         keep = set(order[:k])
         sub = np.array([i for i in step_samples.tolist() if int(case.rc[i]) in keep])
-        if sub.size < cfg.dp_size * cfg.align:
+        if sub.size < cfg.dp_size * cfg.align and not is_dynamic_cp(cfg):
             continue
         b = mp.Batch(case.seq_lens[sub], rollout_ids=case.rc[sub].tolist())
         q = mp.plan(b, replace(cfg, short_step="pad", steps=None))
@@ -231,6 +236,22 @@ def test_drop_keeps_the_longest_aligning_prefix(data, case):
     event(f"short step: {bool(short)}")
     if short:
         _check_drop(case, cfg, pad, short, expected[1])
+
+
+def test_placeholder_never_costs_more_than_a_real_micro_under_static_cp():
+    """Regression: stats charged a placeholder's dummy token in full but a real sample / c under
+    static CP, so a placeholder cost more than a 1-token micro-batch and the reported lockstep time
+    of an optimal arrangement (7.0) came out as 7.5."""
+    lens = [2] * 11 + [1] * 4
+    plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, max_tokens_per_micro=1, align=2,
+                                                 context_parallel=mp.ContextParallel(size=2)))
+    step = plan.steps[0]
+    assert step.num_placeholders == 1
+    grid = [[(1 if m.is_placeholder else m.num_tokens) / 2 for m in row] for row in step.micros]
+    real_min = min(x for row, mrow in zip(grid, step.micros) for x, m in zip(row, mrow) if not m.is_placeholder)
+    ph = [x for row, mrow in zip(grid, step.micros) for x, m in zip(row, mrow) if m.is_placeholder]
+    assert max(ph) <= real_min
+    assert plan.stats.lockstep_time == lockstep_sorted_blocks([x for row in grid for x in row], 2) == 7.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -290,14 +311,15 @@ def test_plans_are_near_optimal_on_small_instances():
         c = sample_costs(cost, np.array(lens)).tolist()
         dummy = float(sample_costs(cost, np.ones(1))[0])
         opt = brute_force(lens, c, dp=dp, align=align, cap=cap, mbs=mbs, per_micro=cost.per_micro, dummy=dummy)
-        plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=dp, align=align, cost=cost, **size))
-        plan.validate()
-        K = plan.steps[0].micro_count
         where = f"lens={lens} dp={dp} align={align} cap={cap} mbs={mbs} cost={cost}"
-        assert opt.k_min <= K <= opt.k_min + align, f"K={K}, minimal K={opt.k_min}: {where}"
-        k_extra.append(K - opt.k_min)
-        for sync, got, best in (("micro", plan.stats.lockstep_time, opt.lockstep),
-                                ("step", plan.stats.step_sync_time, opt.step_sync)):
+        for sync, best in (("micro", opt.lockstep), ("step", opt.step_sync)):
+            plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=dp, align=align, cost=cost, sync=sync, **size))
+            plan.validate()
+            K = plan.steps[0].micro_count
+            assert opt.k_min <= K <= opt.k_min + align, f"K={K}, minimal K={opt.k_min}: {where}"
+            if sync == "micro":
+                k_extra.append(K - opt.k_min)
+            got = plan.stats.predicted_time
             r = got / best
             assert r >= 1 - 1e-9, f"planner beats the brute-force optimum ({sync}): reference broken? {where}"
             assert r <= OPT_FACTOR, f"{sync} time {got} is {r:.3f}× the optimum {best}: {where}"

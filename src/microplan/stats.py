@@ -1,7 +1,8 @@
 """Predicted times and bounds of a plan under its cost model (see PlanStats for definitions).
 
 A micro-batch of CP degree c costs Σ sample costs / c + per_micro on each of its GPUs; a
-placeholder costs one dummy token + per_micro. Lower bound of a step (as in PEERS.md):
+placeholder is one dummy token, split the same way: cost(1 token) / c + per_micro (so it never
+costs more than a real micro-batch). Lower bound of a step (as in PEERS.md):
 LB = max(Σ sample costs / (dp·c) + K_lb · per_micro, max sample cost / c_max + per_micro).
 """
 
@@ -30,7 +31,7 @@ def micro_cost_grid(plan: Plan, step_index: int) -> np.ndarray:
     grid = np.empty((step.dp_size, step.micro_count), dtype=np.float64)
     for r, row in enumerate(step.micros):
         for m, micro in enumerate(row):
-            body = dummy if micro.is_placeholder else float(sample_cost[micro.indices].sum()) / micro.cp_size
+            body = (dummy if micro.is_placeholder else float(sample_cost[micro.indices].sum())) / micro.cp_size
             grid[r, m] = body + cost.per_micro
     return grid
 

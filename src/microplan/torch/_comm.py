@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..errors import PlanError
 
 __all__ = ["group_info", "comm_device", "all_gather_rows", "all_gather_padded", "fail_together",
-           "collective_guard", "describe", "rank_list"]
+           "collective_guard", "describe", "rank_list", "ranks_phrase"]
 
 _MSG_LIMIT = 1500  # characters of each rank's message carried in a fail-together error
 
@@ -38,7 +38,11 @@ def group_info(group: Any = None) -> tuple[int, int]:
     if not (dist.is_available() and dist.is_initialized()):
         raise PlanError("torch.distributed is not initialised: call torch.distributed.init_process_group() "
                         "first, or plan in one process with microplan.plan(batch, config).")
-    return dist.get_rank(group), dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise PlanError("this process is not a member of the process group passed as group=; call microplan's "
+                        "collectives only on the ranks of that group (e.g. each rank with its own DP group).")
+    return rank, dist.get_world_size(group)
 
 
 def comm_device(group: Any = None) -> torch.device:
@@ -94,6 +98,11 @@ def rank_list(ranks: Sequence[int]) -> str:
     return "[" + ", ".join(parts) + "]"
 
 
+def ranks_phrase(ranks: Sequence[int]) -> str:
+    """``rank 3`` or ``ranks [0-2, 5]``."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {rank_list(ranks)}"
+
+
 def fail_together(status: Sequence[int], local_error: BaseException | None, *, what: str,
                   group: Any = None) -> None:
     """If any rank's gathered ``status`` is non-zero, raise the same PlanError on every rank.
@@ -112,7 +121,7 @@ def fail_together(status: Sequence[int], local_error: BaseException | None, *, w
     by_msg: dict[str, list[int]] = {}
     for r in failed:
         by_msg.setdefault(str(msgs[r]), []).append(r)
-    lines = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {rank_list(rs)}: {m}" for m, rs in by_msg.items())
+    lines = "; ".join(f"{ranks_phrase(rs)}: {m}" for m, rs in by_msg.items())
     err = PlanError(f"{what} failed on {len(failed)} of {world} ranks — {lines}. Every rank stopped here "
                     "before the next collective; fix the input on the named ranks.")
     raise err from local_error

@@ -171,7 +171,8 @@ def _mask_tensor(masks: Any, i: int, length: int, loss_tokens: int) -> torch.Ten
     else:
         raw = _as_1d(_entry(masks, i, "loss_masks"), i, "loss_masks", length=length)
         if raw.dtype != torch.bool and not bool(((raw == 0) | (raw == 1)).all()):
-            raise PlanError(f"loss_masks[{i}] must hold only 0/1 (or bools), got values {sorted(set(raw.tolist()))[:5]}.")
+            vals = sorted(set(raw.tolist()))[:5]
+            raise PlanError(f"loss_masks[{i}] must hold only 0/1 (or bools), got values {vals}.")
         m = raw.to(torch.bool)
         if int(m.sum()) != loss_tokens:
             raise PlanError(f"loss_masks[{i}] marks {int(m.sum())} tokens but the Batch says loss_tokens={loss_tokens} "
@@ -214,7 +215,8 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
             a mask that is not 0/1, does not sum to ``loss_tokens`` or marks a sample's first token.
     """
     if not isinstance(micro, Micro):
-        raise PlanError(f"pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), got {type(micro).__name__}.")
+        raise PlanError("pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), "
+                        f"got {type(micro).__name__}.")
     if micro.is_placeholder:
         return _placeholder(micro, pad_token_id, weight_dtype)
     ids, masks, weights, lens = [], [], [], []
