@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 
@@ -239,3 +241,36 @@ def test_fewer_samples_than_ranks_static_batching_pads():
     step = plan.steps[0]
     assert step.micro_count == 2 and step.num_placeholders == 13
     assert sorted(m.num_samples for row in step.micros for m in row)[-3:] == [1, 1, 1]
+
+
+@pytest.mark.parametrize("short_step", ["drop", "error"])
+def test_dynamic_cp_error_names_the_target(short_step):
+    """verl DCP seed (#5869): fewer sequences than CP groups. 4 GPUs cut into groups of at most 2
+    need at least 2 samples per micro slot; with 1 sample the refusal must name that target (2),
+    like the non-CP message names its aligned micro-batch target."""
+    batch = mp.Batch([1])
+    cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=1, short_step=short_step,
+                        context_parallel=mp.ContextParallel(max_size=2))
+    with pytest.raises(mp.PlanError) as exc:
+        mp.plan(batch, cfg)
+    msg = str(exc.value)
+    assert "step 0" in msg and "1 samples" in msg and "short_step='pad'" in msg, msg
+    assert re.search(r"\b2\b", msg), f"the target (at least 2 samples, one per CP group) is not named: {msg}"
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=1, context_parallel=mp.ContextParallel(max_size=2)))
+    plan.validate()
+    assert plan.steps[0].micro_count == 1
+
+
+@pytest.mark.parametrize("short_step", ["drop", "error"])
+def test_dynamic_cp_policy_only_matters_for_short_steps(short_step):
+    """verl DCP seed: 4 samples on a 16-GPU plane with CP groups of up to 4 fill it exactly (four
+    groups of 4, as short_step='pad' finds, with no placeholder). The step is not short, so 'drop'
+    and 'error' must give the same plan instead of refusing it."""
+    batch = mp.Batch([1, 1, 2, 4])
+    base = dict(dp_size=16, max_tokens_per_micro=1, context_parallel=mp.ContextParallel(max_size=4))
+    pad = mp.plan(batch, mp.PlanConfig(**base))
+    pad.validate()
+    assert pad.steps[0].num_placeholders == 0 and pad.steps[0].micro_count == 1
+    other = mp.plan(batch, mp.PlanConfig(short_step=short_step, **base))
+    other.validate()
+    assert other.steps == pad.steps and other.dropped.size == 0

@@ -54,8 +54,10 @@ def _cdiv(x: int, d: int) -> int:
 class _Layout:
     """Bins (members, width) and the slot arrangement of one step."""
 
-    def __init__(self, bin_of: np.ndarray, width: np.ndarray, load: np.ndarray, slots: list[list[tuple[int, int]]]):
+    def __init__(self, bin_of: np.ndarray, width: np.ndarray, load: np.ndarray, slots: list[list[tuple[int, int]]],
+                 placeholders: int = 0):
         self.bin_of, self.width, self.load, self.slots = bin_of, width, load, slots
+        self.placeholders = placeholders  # unit bins with no sample (short_step="pad" only)
 
 
 def _balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
@@ -178,9 +180,12 @@ def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: Plan
         if isinstance(got, _Layout):
             return got, K
         if got == "short":
-            if not allow_short:
-                return None
-            return _padded(lens, costs, deg, cfg, K), K
+            # The greedy merge found no tiling without empty groups; the one-sample-per-group
+            # layout is the exact test (it tiles with no placeholder whenever any layout can).
+            padded = _padded(lens, costs, deg, cfg, K)
+            if allow_short or not padded.placeholders:
+                return padded, K
+            return None
         K += a
 
 
@@ -200,7 +205,7 @@ def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfi
     load = np.concatenate([costs / width[:n], np.zeros(spare)])
     slots = _arrange(width, load, D, K)
     assert slots is not None  # widths are powers of two dividing D and sum to D·K
-    return _Layout(np.arange(n, dtype=np.int64), width, load, slots)
+    return _Layout(np.arange(n, dtype=np.int64), width, load, slots, placeholders=spare)
 
 
 def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
@@ -215,9 +220,7 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     if got is None and cfg.short_step == "drop":
         got, keep = _drop(s, samples, batch, c, deg, cfg)
     if got is None:
-        raise PlanError(f"step {s}: {samples.size} samples cannot give every CP group of the {D}-GPU plane a "
-                        "sample in every micro slot. Set short_step='pad' (placeholder micro-batches) or 'drop', "
-                        "or put more samples in each step (Steps).")
+        raise PlanError(_short_message(s, samples.size, lens, deg, cfg))
     layout, K = got
     kept = samples[keep]
     assert cfg.loss is not None
@@ -236,6 +239,23 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     dropped = np.setdiff1d(samples, kept)
     why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
     return Step(s, grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
+
+
+def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> str:
+    """The refusal of a short step: how many samples the step needs, and the ways out."""
+    D, a, cap = cfg.dp_size, cfg.align, cfg.max_tokens_per_micro
+    cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
+    gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
+    K = _cdiv(_cdiv(gpu_slots, D), a) * a
+    need = K * (D // cmax)  # type: ignore[operator]
+    fixes = "set short_step='pad' (placeholder micro-batches)"
+    if cfg.short_step == "error":
+        fixes += " or short_step='drop'"
+    why = " even after dropping trailing rollouts" if cfg.short_step == "drop" else ""
+    return (f"step {s}: {n} samples cannot give every CP group of the {D}-GPU plane a sample{why}: "
+            f"{K} micro slot(s) cut into groups of at most ContextParallel.max_size={cmax} GPUs need at least "
+            f"{need} samples. To fix: {fixes}, put at least {need} samples in each step (Steps), or raise "
+            "ContextParallel.max_size.")
 
 
 def _drop(s: int, samples: np.ndarray, batch: Batch, c: np.ndarray, deg: np.ndarray,
