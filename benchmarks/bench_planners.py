@@ -79,9 +79,12 @@ PLANNERS: dict[str, tuple[Runner, str]] = {
 
 # -- cases --------------------------------------------------------------------------------------
 
-def make_step(family: str, dp: int, spg: int, seed: int) -> mp.Batch:
-    """One step: the shortest prefix of whole prompts with at least dp·spg samples."""
-    max_len, _, group = FAMILIES[family]
+def make_step(family: str, dp: int, spg: int, seed: int, max_len: int | None = None) -> mp.Batch:
+    """One step: the shortest prefix of whole prompts with at least dp·spg samples.
+
+    ``max_len`` overrides the family's context window (benchmarks/bench_cp.py)."""
+    fam_len, _, group = FAMILIES[family]
+    max_len = fam_len if max_len is None else max_len
     target = dp * spg
     per_prompt = group * (2 if family == "stepwise-multiturn" else 1)  # multiturn: >= ~2 turns/rollout
     prompts = -(-target // per_prompt) * 2

@@ -52,12 +52,17 @@ def layouts(world: int) -> dict[str, dict[str, Any]]:
     if world % 2 == 0:
         out["cp2"] = dict(max_tokens_per_micro=16, steps=mp.Steps(prompts_per_step=3),
                           context_parallel=mp.ContextParallel(size=2))
+        # dynamic CP over the W-GPU plane: a cap of 8 tokens per GPU gives slots mixing 1- and
+        # 2-GPU groups (and placeholders), one prompt per step
+        out["dcp"] = dict(max_tokens_per_micro=8, steps=mp.Steps(prompts_per_step=1),
+                          context_parallel=mp.ContextParallel(max_size=2))
     return out
 
 
 def cp_degree(world: int, layout: str) -> int:
+    """Static CP degree (1 for dynamic CP: its plan has one row per GPU of the plane)."""
     cp = layouts(world)[layout].get("context_parallel")
-    return cp.size if cp is not None else 1
+    return cp.size if cp is not None and cp.size is not None else 1
 
 
 def make_batch(ds: Dataset) -> mp.Batch:
@@ -135,22 +140,27 @@ def _run_case(rank: int, world: int, model: torch.nn.Module, ds: Dataset, kind: 
     plan_rank, cp_rank = divmod(rank, cp)  # gloo rank → (DP group = plan rank, position in its CP group)
     mean_rows = torch.tensor([CONVENTIONS[c].get("grad_reduction", "mean") == "mean" for _, c in COMBOS] + [True])
     errs: dict[tuple, float] = {}
-    counts = {"micros": 0, "placeholders": 0, "steps": 0, "dropped": int(plans[0].dropped.size), "cp_size": 1}
+    counts = {"micros": 0, "placeholders": 0, "steps": 0, "dropped": int(plans[0].dropped.size), "cp_size": 1,
+              "mixed_slots": 0}
     for s, step in enumerate(plans[0].steps):
         K = step.micro_count
         acc = torch.zeros(rows, sum(p.numel() for p in params), dtype=torch.float64)
         for m in range(K):
+            micro = step.micros[plan_rank][m]
             packs = [pack_micro(p.steps[s].micros[plan_rank][m], ds.tokens, loss_masks=ds.masks) for p in plans]
             p0 = packs[0]
             counts["micros"] += 1
             counts["placeholders"] += p0.is_placeholder
             counts["cp_size"] = max(counts["cp_size"], p0.cp_size)
+            counts["mixed_slots"] += len({row[m].cp_size for row in step.micros}) > 1
             logp = token_logprobs(model(**p0.model_inputs(), attention_mask=None, use_cache=False).logits, p0)
             ell = per_token_loss(logp, pack_values(p0, ds.old_logp), pack_values(p0, ds.adv), kind)
-            if cp > 1:  # CP: this rank holds (and backwards the loss of) one contiguous chunk of the tokens;
+            # static CP: the gloo rank's place in its DP group; dynamic CP: the micro says
+            c, q = (cp, cp_rank) if cp > 1 else (micro.cp_size, micro.cp_rank)
+            if c > 1:  # CP: this rank holds (and backwards the loss of) one contiguous chunk of the tokens;
                 # the full forward stands in for ring attention, whose backward also reaches all K/V
                 T = p0.num_tokens
-                ell = ell * ((torch.arange(T) * cp // T) == cp_rank).to(ell.dtype)
+                ell = ell * ((torch.arange(T) * c // T) == q).to(ell.dtype)
             losses = [weighted_loss(ell, pk) / (K if CONVENTIONS[conv].get("engine_divides_by_micro_count") else 1)
                       for pk, (_, conv) in zip(packs, COMBOS)]
             naive = (ell * p0.loss_mask).sum() / p0.loss_mask.sum().clamp(min=1) / K

@@ -3,7 +3,8 @@
 One gloo spawn per world size (1, 2, 4); each rank runs every case (2 data sets — GRPO groups and
 step-wise multi-turn rollouts with variable samples per prompt — × PPO clipped surrogate and
 -A·logp × layouts: static, dynamic, placeholders, trailing prompts dropped, and on even worlds
-static context parallel 2 with W = dp·cp) × all 7 loss modes
+static context parallel 2 with W = dp·cp, and dynamic CP up to 2 over the W-GPU plane with
+slots mixing 1- and 2-GPU groups) × all 7 loss modes
 × 3 engine conventions (DDP/FSDP mean, Megatron 1/K, sum) on a tiny float64 Llama with packed
 varlen forwards. The reference ∇J is computed on one process from the DESIGN.md table (see
 tests/_exactness.py). The naive per-micro token mean is checked to be measurably wrong on the
@@ -73,7 +74,9 @@ def test_cases_include_placeholders_drops_and_several_micros(experiment, world):
             assert ph > 0, case  # placeholder micro-batches really ran forward/backward
         assert (counts[0][case]["dropped"] > 0) == (case[2] == "trail")
         assert counts[0][case]["steps"] >= 1
-        assert counts[0][case]["cp_size"] == (2 if case[2] == "cp2" else 1)
+        assert counts[0][case]["cp_size"] == (2 if case[2] in ("cp2", "dcp") else 1)
+        if case[2] == "dcp" and world == 4:  # dynamic CP really mixed 1- and 2-GPU groups in one slot
+            assert counts[0][case]["mixed_slots"] > 0, case
     assert max(sum(c[case]["micros"] for c in counts) / counts[0][case]["steps"] for case in counts[0]) >= 4
 
 

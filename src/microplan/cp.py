@@ -13,20 +13,35 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
 4. Slots: wide groups first-fit-decreasing by width into K slots (widths divide dp, so this
    always tiles), then unit bins fill each slot's free GPUs, heaviest unit bins beside the
    heaviest groups. Groups occupy contiguous, width-aligned rank ranges.
+5. Uniform candidates: for every power-of-two width w from the widest sample's degree up to
+   max_size, the fixed-CP plan of dp_size / w groups (fit.py + assign.py) is one point of the
+   same search space; when it needs no placeholder and is predicted strictly faster under
+   ``sync``, it replaces the mixed layout (a tie keeps the narrower mixed groups).
 Guarantees: every rank has K micro-batches, every CP group non-empty (or an explicit
-placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact with W = dp_size.
+placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact with W = dp_size,
+and the predicted step time is never above that of any fixed CP degree ≤ max_size that fits the
+step without placeholders. Trade-off (benchmarks/bench_cp.py, long-context family): the cost
+model scales attention and linear work perfectly with the CP degree, so the widest uniform
+layout usually wins (pooling GPUs packs best); the mixed layout matters when the step has too
+few samples for wide uniform groups, and the search costs ~2-3× the planning time of one
+fixed-CP plan.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
 from .batch import Batch
-from .config import PlanConfig
+from .assign import arrange
+from .config import ContextParallel, PlanConfig
 from .errors import PlanError
+from .fit import fit_step
 from .pack import lpt_pack_wide
+from .planner import binned_micros
 from .types import Micro, Step
 from .weigh import loss_coefficients, loss_scales
 
@@ -225,20 +240,91 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     kept = samples[keep]
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
-    scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)
+    best = _mixed_grid(layout, K, kept, batch, coef, c[keep], cfg)
+    for w in _uniform_widths(deg[keep], cfg):
+        cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg)
+        if cand is not None and cand.time < best.time * (1 - 1e-9):
+            best = cand
+    dropped = np.setdiff1d(samples, kept)
+    why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
+    return Step(s, best.grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
+
+
+class _Candidate(NamedTuple):
+    """One step layout: ``grid[r][m]`` and its predicted time under ``cfg.sync``."""
+
+    grid: list[list[Micro]]
+    time: float
+
+
+def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
+    """Predicted step time of a ranks × slots per-GPU cost grid (per_micro included)."""
+    if cfg.sync == "micro":
+        return float(rank_cost.max(axis=0).sum())
+    return float(rank_cost.sum(axis=1).max())
+
+
+def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
+                cfg: PlanConfig) -> _Candidate:
+    """The mixed-width layout found by width-aware packing, as a grid of Micros."""
+    D = cfg.dp_size
+    scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
+    nb = layout.width.size
+    body = np.bincount(layout.bin_of, weights=c, minlength=nb)
+    empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
+    body[empty] = cfg.cost.sample_costs(np.ones(1, dtype=np.int64))[0]  # type: ignore[union-attr]
+    bin_load = body / layout.width
+    rank_cost = np.full((D, K), cfg.cost.per_micro)  # type: ignore[union-attr]
+    bins = binned_micros(kept, layout.bin_of, nb, scale, batch)
     grid: list[list[Micro | None]] = [[None] * K for _ in range(D)]
     for m, slot in enumerate(layout.slots):
         for b, start in slot:
             w = int(layout.width[b])
-            pos = np.flatnonzero(layout.bin_of == b)
-            idx = kept[pos]
             group = tuple(range(start, start + w))
+            rank_cost[start:start + w, m] += bin_load[b]
             for q, r in enumerate(group):
-                grid[r][m] = Micro(idx, batch.seq_lens[idx], batch.loss_tokens[idx], scale[pos],
-                                   cp_size=w, cp_rank=q, cp_group=group)
-    dropped = np.setdiff1d(samples, kept)
-    why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
-    return Step(s, grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
+                grid[r][m] = bins[b](w, q, group)
+    return _Candidate(grid, _step_time(rank_cost, cfg))  # type: ignore[arg-type]
+
+
+def _uniform_widths(deg: np.ndarray, cfg: PlanConfig) -> list[int]:
+    """Every power-of-two width from the widest sample's degree up to max_size."""
+    cmax = int(cfg.context_parallel.max_size)  # type: ignore[union-attr]
+    w, out = max(int(deg.max()) if deg.size else 1, 1), []
+    while w <= cmax:
+        out.append(w)
+        w *= 2
+    return out
+
+
+def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
+                  cfg: PlanConfig) -> _Candidate | None:
+    """Every group w wide: the fixed-CP plan of D / w groups, when it needs no placeholder.
+
+    Fixed CP is one point of the dynamic search space; trying it makes dynamic CP never predicted
+    slower than fixed CP at any degree it could use. None when the step is short at width w.
+    """
+    D = cfg.dp_size
+    sub = replace(cfg, dp_size=D // w, context_parallel=ContextParallel(size=w), short_step="pad")
+    lens = batch.seq_lens[kept]
+    try:
+        fit = fit_step(0, kept, lens, c, batch.rollout_codes[kept], sub)
+    except PlanError:
+        return None
+    K, groups = fit.micro_count, D // w
+    if fit.num_bins != groups * K:
+        return None
+    scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
+    micro_cost = np.bincount(fit.bin_of, weights=c, minlength=groups * K)
+    placed = arrange(micro_cost, groups, K)
+    bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
+    grid: list[list[Micro]] = []
+    for g in range(groups):
+        group = tuple(range(g * w, (g + 1) * w))
+        grid.extend([bins[b](w, q, group) for b in placed[g]] for q in range(w))
+    rank_cost = micro_cost[placed] / w + cfg.cost.per_micro  # type: ignore[union-attr]
+    return _Candidate(grid, _step_time(rank_cost, cfg))
+
 
 
 def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> str:
