@@ -1,9 +1,9 @@
 """Exactness benchmark: worst relative gradient error of microplan's loss_scale, per mode and world size.
 
 Runs the experiment of tests/_exactness.py (tiny float64 Llama, packed varlen forwards, gloo
-worlds 1/2/4, 2 data sets × PPO / -A·logp × 4-5 layouts (static CP 2 on even worlds) × 7 loss
+worlds 1/2/4, 2 data sets × PPO / -A·logp × 4-6 layouts (static CP 2 and dynamic CP ≤ 2 on even worlds) × 7 loss
 modes × 3 engine conventions),
-prints the worst ‖g − ∇J‖/‖∇J‖ per mode × world size and per convention, the naive per-micro
+prints the worst ‖g − ∇J‖/‖∇J‖ per mode, per convention and per layout × world size, the naive per-micro
 token mean for contrast, and the packed-vs-unpacked forward difference, then writes everything to
 benchmarks/results/exactness-<YYYY-MM-DD>-<hostname>.json.
 
@@ -60,6 +60,7 @@ def summarise(out: dict) -> dict:
     by_mode: dict[str, dict[str, float]] = defaultdict(dict)
     by_conv: dict[str, dict[str, float]] = defaultdict(dict)
     by_case: dict[str, float] = {}
+    by_layout: dict[str, dict[str, float]] = defaultdict(dict)
     for w, r in out["worlds"].items():
         for (d, kind, lay, mode, conv), e in r["errors"].items():
             by_mode[mode][str(w)] = max(by_mode[mode].get(str(w), 0.0), e)
@@ -67,10 +68,11 @@ def summarise(out: dict) -> dict:
                 by_conv[conv][str(w)] = max(by_conv[conv].get(str(w), 0.0), e)
                 ck = f"{d}/{kind}/{lay}"
                 by_case[ck] = max(by_case.get(ck, 0.0), e)
+                by_layout[lay][str(w)] = max(by_layout[lay].get(str(w), 0.0), e)
     exact = [e for w in out["worlds"].values() for k, e in w["errors"].items() if k[3] != NAIVE[0]]
     naive = [e for w in out["worlds"].values() for k, e in w["errors"].items() if k[3] == NAIVE[0]]
     return {"worst_by_mode_and_world": dict(by_mode), "worst_by_convention_and_world": dict(by_conv),
-            "worst_by_case": by_case, "worst": max(exact), "cases": len(exact),
+            "worst_by_case": by_case, "worst_by_layout_and_world": dict(by_layout), "worst": max(exact), "cases": len(exact),
             "naive_token_mean_min_error": min(naive), "naive_token_mean_max_error": max(naive),
             "passed": max(exact) <= TOL and min(naive) > 1e-3}
 
@@ -92,6 +94,9 @@ def main() -> None:
     for conv in CONVENTIONS:
         row = summary["worst_by_convention_and_world"][conv]
         print(f"{conv:28s}" + "".join(f"{row[w]:12.2e}" for w in worlds))
+    print(f"\n{'layout':28s}" + "".join(f"{'W=' + w:>12s}" for w in worlds))
+    for lay, row in summary["worst_by_layout_and_world"].items():  # cp2/dcp: even worlds only
+        print(f"{lay:28s}" + "".join(f"{row[w]:12.2e}" if w in row else f"{'-':>12s}" for w in worlds))
     for w, r in out["worlds"].items():
         print(f"W={w}: {r['micros']} micro-batch forwards over all cases ({r['placeholders']} placeholders) "
               f"in {r['wall_s']:.1f}s, ranks agree: {r['ranks_agree']}")

@@ -60,11 +60,11 @@ def int_array(name: str, values: Any, *, minimum: int | None = None) -> np.ndarr
         bad = ~np.isfinite(arr)
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
-            raise PlanError(f"{name}[{i}]={arr[i]!r} is not finite; every value must be a whole number.")
+            raise PlanError(f"{name}[{i}]={arr[i].item()!r} is not finite; every value must be a whole number.")
         frac = arr != np.floor(arr)
         if frac.any():
             i = int(np.flatnonzero(frac)[0])
-            raise PlanError(f"{name}[{i}]={arr[i]!r} is not a whole number; token counts are ints.")
+            raise PlanError(f"{name}[{i}]={arr[i].item()!r} is not a whole number; token counts are ints.")
         out = arr.astype(np.int64)
     else:
         raise PlanError(f"{name} must hold ints, got dtype {arr.dtype}.")

@@ -11,7 +11,12 @@ Install with ``pip install microplan[torch]``. One training step on rank ``r``::
         weighted_loss(per_token_loss(logp), p).backward()  # Σ w·ℓ — no other normalisation
     # DDP/FSDP average the gradients (grad_reduction="mean"): the result is exactly ∇J.
 
-See docs/loss.md for the loss modes, the engine conventions and the framework recipes.
+Around the plan, the collectives of an SPMD trainer (each takes the process group explicitly):
+``plan_distributed`` (gather every rank's lengths, plan, verify the fingerprints),
+``exchange_samples`` / ``exchange_outputs`` (move tensors to the ranks the plan assigns and
+back), ``verify_agreement`` and ``collective_guard`` (a failure on one rank is an error on every
+rank, never a hang). See docs/loss.md for the loss modes and docs/integration.md for the
+SPMD and single-controller recipes.
 The numpy core never imports torch; this package never changes the plan.
 """
 
@@ -22,6 +27,8 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("microplan.torch needs PyTorch: pip install 'microplan[torch]'") from exc
 
+from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
+                          local_view, plan_distributed, routes, verify_agreement)
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
 from .restore import Restored, restore_order
@@ -29,24 +36,7 @@ from .restore import Restored, restore_order
 __all__ = [
     "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order",
+    # collectives over torch.distributed (process group passed explicitly; see distributed.py)
+    "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
+    "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
 ]
-
-# Collectives (gather_batch, verify_agreement) are written by another module owner. DESIGN asks
-# for ``from .distributed import gather_batch, verify_agreement``; until that module exists, the
-# names are taken from the split modules (gather.py, verify.py) when those exist.
-import importlib as _importlib
-
-for _name, _modules in (("gather_batch", ("distributed", "gather")),
-                        ("verify_agreement", ("distributed", "verify", "agreement"))):
-    for _mod in _modules:
-        try:
-            _m = _importlib.import_module(f"{__name__}.{_mod}")
-        except ModuleNotFoundError as _exc:
-            if _exc.name != f"{__name__}.{_mod}":
-                raise  # a real missing dependency inside the module: do not hide it
-            continue
-        if hasattr(_m, _name):
-            globals()[_name] = getattr(_m, _name)
-            __all__.append(_name)
-            break
-del _importlib, _name, _modules, _mod
