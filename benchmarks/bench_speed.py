@@ -1,7 +1,7 @@
 """Planning time, side by side in one process: microplan vs the slime and verl re-implementations.
 
 Design note. Two steps from the grpo-longtail family (max_len 16,384, cap 32,768 tokens per GPU,
-~7B dense cost model): 16,384 samples at dp=128 and 4,096 samples at dp=32, so K ≈ 4–5 for both.
+~7B dense cost model): 16,384 samples at dp=128 and 4,096 samples at dp=32, 128 samples per GPU, so K = 17–18 micro-batches per rank.
 Each planner plans the same step ``--repeats`` times after one warm-up run, interleaved round by
 round (so machine noise hits every planner alike); we report the median and the ratios
 peer / microplan. microplan is timed on ``plan(batch, config)`` (Batch already built), the peers

@@ -283,7 +283,7 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
             group = tuple(range(start, start + w))
             rank_cost[start:start + w, m] += bin_load[b]
             for q, r in enumerate(group):
-                grid[r][m] = bins[b](w, q, group)
+                grid[r][m] = Micro._trusted(*bins[b], w, q, group)
     return _Candidate(grid, _step_time(rank_cost, cfg))  # type: ignore[arg-type]
 
 
@@ -321,7 +321,7 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     grid: list[list[Micro]] = []
     for g in range(groups):
         group = tuple(range(g * w, (g + 1) * w))
-        grid.extend([bins[b](w, q, group) for b in placed[g]] for q in range(w))
+        grid.extend([Micro._trusted(*bins[b], w, q, group) for b in placed[g]] for q in range(w))
     rank_cost = micro_cost[placed] / w + cfg.cost.per_micro  # type: ignore[union-attr]
     return _Candidate(grid, _step_time(rank_cost, cfg))
 

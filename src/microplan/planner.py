@@ -9,8 +9,6 @@ dp=32 plans in a few milliseconds (benchmarks/bench_speed.py).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 
 from .assign import arrange
@@ -24,6 +22,8 @@ from .types import Micro, Step
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["plan"]
+
+MicroParts = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # indices, seq_lens, loss_tokens, loss_scale
 
 
 def plan(batch: Batch, config: PlanConfig) -> Plan:
@@ -63,7 +63,8 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     bins = binned_micros(kept, fit.bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
-    micros = [[bins[b](cp, 0, (r,)) for b in grid[r]] for r in range(D)]
+    trusted = Micro._trusted
+    micros = [[trusted(*bins[b], cp, 0, (r,)) for b in grid[r].tolist()] for r in range(D)]
     dropped = samples[fit.dropped]
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")
@@ -71,21 +72,18 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
 
 
 def binned_micros(kept: np.ndarray, bin_of: np.ndarray, num_bins: int, scale: np.ndarray,
-                  batch: Batch) -> list[Callable[[int, int, tuple[int, ...]], Micro]]:
-    """One Micro factory per bin (bins past the real ones are placeholders).
+                  batch: Batch) -> list[MicroParts]:
+    """The four arrays of each bin's Micro (bins past the real ones are placeholders).
 
     Samples are grouped by bin with one stable argsort, so each micro-batch's arrays are
-    read-only slices of four shared arrays (ascending global index = execution order).
+    read-only slices of four shared arrays (ascending global index = execution order). Build
+    rank r's Micro with ``Micro._trusted(*parts[b], cp_size, cp_rank, cp_group)``.
     """
     order = np.argsort(bin_of, kind="stable")
-    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1))
+    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1)).tolist()
     idx = kept[order]
     cols = [idx, batch.seq_lens[idx], batch.loss_tokens[idx], scale[order].astype(np.float64)]
     for a in cols:
         a.setflags(write=False)
-
-    def factory(lo: int, hi: int) -> Callable[[int, int, tuple[int, ...]], Micro]:
-        parts = [a[lo:hi] for a in cols]
-        return lambda cp_size, cp_rank, group: Micro._trusted(*parts, cp_size, cp_rank, group)
-
-    return [factory(int(bounds[b]), int(bounds[b + 1])) for b in range(num_bins)]
+    i, n, t, w = cols
+    return [(i[lo:hi], n[lo:hi], t[lo:hi], w[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]

@@ -16,6 +16,8 @@ import numpy as np
 
 __all__ = ["refine_bins"]
 
+_PATIENCE = 32  # iterations without the heaviest bin dropping by rel_tol before giving up
+
 
 def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarray, gap: float,
                    room_h: int, room_l: int, can_move: bool) -> tuple[int, int, float] | None:
@@ -45,26 +47,40 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     """Return an improved copy of ``bin_of`` (same bins, same cap, lower or equal max cost).
 
     ``offset`` (per bin) makes the search balance ``cost − offset`` instead, i.e. toward
-    per-bin targets. Stops when the heaviest and lightest micro-batch differ by at most ``rel_tol`` of the mean
-    load, when no exchange helps, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
+    per-bin targets. Stops when the heaviest micro-batch is within ``rel_tol`` of the mean load
+    above the mean (above its target, with ``offset``), when the heaviest and lightest differ by
+    at most that much, when no exchange helps, after 32 iterations in which the heaviest bin did
+    not drop by that much, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
     """
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
     order = np.argsort(bin_of, kind="stable")
-    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1))
-    members = [order[bounds[b]:bounds[b + 1]].tolist() for b in range(num_bins)]
+    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1)).tolist()
+    members: dict[int, list[int]] = {}  # only the bins a move touched, materialised lazily
+
+    def mem(b: int) -> list[int]:
+        if b not in members:
+            members[b] = order[bounds[b]:bounds[b + 1]].tolist()
+        return members[b]
     load = np.bincount(bin_of, weights=costs, minlength=num_bins)
     if offset is not None:
         load = load - offset
     tok = np.bincount(bin_of, weights=lens, minlength=num_bins).astype(np.int64)
     big = np.iinfo(np.int64).max // 4 if cap is None else cap
     tol = rel_tol * float(costs.sum()) / num_bins
+    ref = 0.0 if offset is not None else float(load.mean())  # moves never change the mean
+    best_max, since = float(load.max()), 0
     for _ in range(max_iters if max_iters is not None else min(2 * num_bins, 256)):
         h, l = int(np.argmax(load)), int(np.argmin(load))
         gap = float(load[h] - load[l])
-        if gap <= tol:
+        if gap <= tol or load[h] - ref <= tol:  # only the heaviest bin sets the step time
             break
-        ih, il = np.array(members[h]), np.array(members[l])
+        if load[h] < best_max - tol:
+            best_max, since = float(load[h]), 0
+        elif since >= _PATIENCE:  # a plateau of near-equal heavy bins: more moves buy < rel_tol
+            break
+        since += 1
+        ih, il = np.array(mem(h)), np.array(mem(l))
         got = _best_exchange(costs[ih], lens[ih], costs[il], lens[il], gap,
                              int(big - tok[h]), int(big - tok[l]), ih.size > 1)
         if got is None:
@@ -72,13 +88,13 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
         i, j, _ = got
         moves = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
         for smp, src, dst in moves:
-            members[src].remove(smp)
-            members[dst].append(smp)
+            mem(src).remove(smp)
+            mem(dst).append(smp)
             load[src] -= costs[smp]
             load[dst] += costs[smp]
             tok[src] -= lens[smp]
             tok[dst] += lens[smp]
-    out = np.empty_like(bin_of)
-    for b, mem in enumerate(members):
-        out[mem] = b
+    out = bin_of.copy()
+    for b, smp in members.items():
+        out[smp] = b
     return out

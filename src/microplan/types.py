@@ -57,9 +57,8 @@ class Micro:
                  loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...]) -> Micro:
         """Internal fast path: arrays are already read-only int64/float64 views; no copies."""
         self = object.__new__(cls)
-        for k, v in (("indices", indices), ("seq_lens", seq_lens), ("loss_tokens", loss_tokens),
-                     ("loss_scale", loss_scale), ("cp_size", cp_size), ("cp_rank", cp_rank), ("cp_group", cp_group)):
-            object.__setattr__(self, k, v)
+        self.__dict__.update(indices=indices, seq_lens=seq_lens, loss_tokens=loss_tokens, loss_scale=loss_scale,
+                             cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group)  # frozen: bypass __setattr__
         return self
 
     @property
