@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import socket
 import sys
 import time
@@ -38,10 +37,10 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 import microplan as mp  # noqa: E402
 
+from benchmarks._results import save_json  # noqa: E402
 from benchmarks.bench_planners import make_step  # noqa: E402
 from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SETTINGS = ((32768, 16384), (131072, 32768))  # (max_len, per-GPU cap): the longest sample needs CP 2 / 4
 SPG = (8, 16, 32)
 
@@ -181,9 +180,7 @@ def main(argv: list[str] | None = None) -> dict:
                   cost=cost.to_dict(), settings=SETTINGS, planes=list(Gs), seeds=list(seeds), spg=SPG,
                   microplan=mp.__version__, summary=summary, rows=rows)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"cp-{result['date']}-{result['host']}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        stem = save_json("cp", result)
         plot(summary, stem.with_suffix(".png"))
         print(f"\nwrote {stem}.json and {stem}.png")
     return result

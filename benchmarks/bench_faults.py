@@ -17,17 +17,19 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import socket
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the gloo harness and the fault cases live with the tests
+if str(ROOT) not in sys.path:  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(ROOT))
 
 from test_faults import format_table, run_fault_suite, run_unguarded  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+from benchmarks._results import save_json  # noqa: E402
+
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -44,10 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
               "all_guarded_cases_agree": ok, "max_guarded_seconds": max(r["seconds"] for r in guarded),
               "cases": [{**r, "ranks": [{"ended": e, "ranks": rs} for e, rs in r["ranks"].items()]} for r in rows]}
     if not args.no_write:
-        RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"faults-{result['date']}-{result['host']}.json"
-        path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {path.relative_to(ROOT)}")
+        print(f"wrote {save_json('faults', result).with_suffix('.json').relative_to(ROOT)}")
     return result
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import socket
 import sys
 import time
@@ -32,10 +31,10 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import microplan as mp  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
+from benchmarks._results import save_json  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, step_metrics  # noqa: E402
 from benchmarks.peers import PEERS, PeerCrash  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 
 #: family -> (max_len, per-GPU token cap, samples per prompt / rollouts per prompt)
 FAMILIES: dict[str, tuple[int, int, int]] = {
@@ -236,9 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
                   spg=SPG, dp=list(dps), seeds=list(seeds), targets=TARGETS,
                   labels={k: v[1] for k, v in PLANNERS.items()}, summary=summary, rows=rows)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        stem = RESULTS / f"planners-{result['date']}-{result['host']}"
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+        stem = save_json("planners", result)
         plot(summary, args.planners, stem.with_suffix(".png"))
         print(f"\nwrote {stem}.json and {stem}.png")
     return result

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import socket
 import sys
 import time
@@ -32,10 +31,10 @@ if __package__ in (None, ""):
 import microplan as mp  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
+from benchmarks._results import save_json  # noqa: E402
 from benchmarks.metrics import dense_7b_cost  # noqa: E402
 from benchmarks.peers import plan_slime, plan_verl, verl  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ((16384, 128), (4096, 32))   # (samples, dp)
 MAX_LEN, CAP, GROUP = 16384, 32768, 8
 TARGETS = {"slime": 25.0, "verl": 50.0}  # required speed-up of microplan at 16k samples, dp=128
@@ -105,10 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), cost=cost.to_dict(),
                   family="grpo-longtail", max_len=MAX_LEN, targets=TARGETS, cases=cases)
     if not args.no_write:
-        RESULTS.mkdir(parents=True, exist_ok=True)
-        path = RESULTS / f"speed-{result['date']}-{result['host']}.json"
-        path.write_text(json.dumps(result, indent=1))
-        print(f"wrote {path}")
+        print(f"wrote {save_json('speed', result).with_suffix('.json')}")
     return result
 
 

@@ -185,11 +185,16 @@ def _arrange(width: np.ndarray, load: np.ndarray, D: int, K: int) -> list[list[t
     return slots
 
 
-def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
-                 allow_short: bool) -> tuple[_Layout, int] | None:
+def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
+    """Lower bound on K: GPU-slots for the tokens and for the long samples' groups, aligned."""
     D, a, cap = cfg.dp_size, cfg.align, cfg.max_tokens_per_micro
     gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
-    K = _cdiv(_cdiv(gpu_slots, D), a) * a
+    return _cdiv(_cdiv(gpu_slots, D), a) * a
+
+
+def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
+                 allow_short: bool) -> tuple[_Layout, int] | None:
+    a, K = cfg.align, _min_slots(lens, deg, cfg)
     while True:
         got = _try(lens, costs, deg, cfg, K)
         if isinstance(got, _Layout):
@@ -329,10 +334,8 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
 
 def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> str:
     """The refusal of a short step: how many samples the step needs, and the ways out."""
-    D, a, cap = cfg.dp_size, cfg.align, cfg.max_tokens_per_micro
-    cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
-    gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
-    K = _cdiv(_cdiv(gpu_slots, D), a) * a
+    D, cmax = cfg.dp_size, cfg.context_parallel.max_size  # type: ignore[union-attr]
+    K = _min_slots(lens, deg, cfg)
     need = K * (D // cmax)  # type: ignore[operator]
     fixes = "set short_step='pad' (placeholder micro-batches)"
     if cfg.short_step == "error":
