@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import microplan as mp
-from microplan.calibrate import FIELDS, CalibrationResult, _nnls, calibrate, calibration_row
+from microplan.cost.calibrate import FIELDS, CalibrationResult, _nnls, calibrate, calibration_row
 from microplan.cost import FlopsCost, TokenCost, cost_from_dict, forward_flops
 
 # Published dimensions (the models' config.json files).
@@ -71,7 +71,7 @@ def hand_qwen3_30b_a3b(L: int) -> float:
                          ids=["llama3-8b", "qwen3-30b-a3b"])
 @pytest.mark.parametrize("L", LENGTHS)
 def test_from_hf_config_matches_hand_count(config, hand, L):
-    cost = FlopsCost.from_hf_config(config)
+    cost = FlopsCost.from_hf_config(config, attention="flops", per_micro=0.0)
     ours = float(cost.sample_costs(np.array([L]))[0])
     assert type(cost) is FlopsCost
     assert abs(ours - hand(L)) / hand(L) < 0.01
@@ -127,7 +127,7 @@ def test_shared_experts_and_mla():
 def test_options_gating_causal_backward():
     f = forward_flops(LLAMA3_8B)
     assert forward_flops(LLAMA3_8B, causal=False).quadratic == 2 * f.quadratic
-    fwd = FlopsCost.from_hf_config(LLAMA3_8B, backward_factor=0.0)
+    fwd = FlopsCost.from_hf_config(LLAMA3_8B, backward_factor=0.0, attention="flops")
     assert fwd.linear == f.linear and fwd.quadratic == f.quadratic
     ckpt = FlopsCost.from_hf_config(LLAMA3_8B, backward_factor=3.0, per_micro=1e12)
     assert ckpt.linear == 4 * f.linear and ckpt.per_micro == 1e12
@@ -217,6 +217,49 @@ def test_bad_options():
             FlopsCost.from_hf_config(LLAMA3_8B, **kw)
 
 
+def test_attention_presets_and_hedged_default():
+    """Each preset scales the attention FLOPs by its published slowdown; the default is 'hedged'
+    with a per-micro overhead of DEFAULT_PER_MICRO_TOKENS tokens of linear compute."""
+    from microplan.cost import ATTENTION_KERNELS, DEFAULT_PER_MICRO_TOKENS
+    flops = FlopsCost.from_hf_config(LLAMA3_8B, attention="flops", per_micro=0.0)
+    default = FlopsCost.from_hf_config(LLAMA3_8B)
+    assert default == FlopsCost.from_hf_config(LLAMA3_8B, attention="hedged")
+    assert default.linear == flops.linear
+    assert default.quadratic == ATTENTION_KERNELS["hedged"].slowdown * flops.quadratic
+    assert default.per_micro == DEFAULT_PER_MICRO_TOKENS * flops.linear > 0
+    assert default.packed_quadratic == 0.0
+    for name, slow in (("fa3", 1.5), ("fa2", 2.5)):
+        c = FlopsCost.from_hf_config(LLAMA3_8B, attention=name)
+        assert c.quadratic == pytest.approx(slow * flops.quadratic, rel=1e-12) and c.packed_quadratic == 0.0
+    dense = FlopsCost.from_hf_config(LLAMA3_8B, attention="sdpa-packed")
+    # a dense masked kernel computes all T² pairs (twice the causal L²/2), at its slowdown
+    assert dense.quadratic == 0.0
+    assert dense.packed_quadratic == pytest.approx(2 * 2.5 * flops.quadratic, rel=1e-12)
+    # a lone sample (T = L) under the dense kernel costs more attention than under varlen
+    assert dense.micro_cost([4096]) > FlopsCost.from_hf_config(LLAMA3_8B, attention="fa2").micro_cost([4096])
+    with pytest.raises(mp.PlanError, match="not a known attention kernel"):
+        FlopsCost.from_hf_config(LLAMA3_8B, attention="flash")
+
+
+def test_micro_cost_is_the_sum_of_its_terms():
+    c = FlopsCost(linear=2.0, quadratic=0.5, per_micro=7.0, packed_quadratic=0.25)
+    lens = [3, 5]
+    assert c.micro_cost(lens) == 2.0 * 8 + 0.5 * (9 + 25) + 0.25 * 64 + 7.0
+    assert c.micro_cost(np.array(lens)) == c.micro_cost(lens)
+    assert TokenCost(per_micro=3.0).micro_cost([4, 6]) == 13.0
+    # not additive: two samples in one micro-batch cost more than apart (minus the per-micro terms)
+    assert c.micro_cost([3, 5]) > c.micro_cost([3]) + c.micro_cost([5]) - c.per_micro
+    # the planner splits [3, 5] in two micro-batches (55.5 < 56: the packed term saves more than per_micro)
+    step = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=1, max_tokens_per_micro=100, cost=c)).steps[0]
+    assert step.micro_count == 2 and sum(c.micro_cost(m) for m in step.micros[0]) == 55.5   # Micros accepted
+    assert sorted(step.choice.candidates) == [(1, 56.0), (2, 55.5)] and step.choice.lower_bound == 1
+    assert cost_from_dict(c.to_dict()) == c
+    with pytest.raises(mp.PlanError):
+        FlopsCost(linear=0.0, quadratic=0.0, packed_quadratic=0.0)
+    with pytest.raises(mp.PlanError):
+        FlopsCost(linear=1.0, packed_quadratic=-1.0)
+
+
 def test_describe():
     line = FlopsCost(linear=6.0, quadratic=0.001, per_micro=100.0).describe()
     assert line == ("FlopsCost: linear=6/token, quadratic=0.001/token², per_micro=100/micro; "
@@ -278,8 +321,9 @@ def test_calibrate_recovers_coefficients_from_noisy_rows(seed):
 
 def test_calibrate_input_forms_agree():
     rows = synthetic_rows(30, 0.01, np.random.default_rng(3))
-    structured = np.array([tuple(r[f] for f in FIELDS) for r in rows], dtype=[(f, "f8") for f in FIELDS])
-    columns = {f: [r[f] for r in rows] for f in FIELDS}
+    fields = FIELDS + ("packed_sq",)
+    structured = np.array([tuple(r[f] for f in fields) for r in rows], dtype=[(f, "f8") for f in fields])
+    columns = {f: [r[f] for r in rows] for f in fields}
     a, b, c = calibrate(rows), calibrate(structured), calibrate(columns)
     assert a == b == c
     assert calibrate(iter(rows)) == a
@@ -325,7 +369,7 @@ def test_nnls_satisfies_kkt(seed, n):
     (lambda r: [{**r[0], "sum_sq_len": r[0]["tokens"] - 1}] + r[1:], "columns swapped"),
     (lambda r: [{**r[0], "sum_sq_len": r[0]["tokens"] ** 2 * 2}] + r[1:], "<= tokens²"),
     (lambda r: [{**r[0], "tokens": "many"}] + r[1:], "must hold numbers"),
-    (lambda r: [dict(r[0], tokens=t * 1000, sum_sq_len=t * 1e6, num_micros=t, seconds=t * 0.1)
+    (lambda r: [dict(r[0], tokens=t * 1000, sum_sq_len=t * 1e6, packed_sq=t * 1e6, num_micros=t, seconds=t * 0.1)
                 for t in (1.0, 2.0, 3.0, 4.0)], "cannot separate"),
     (lambda r: [calibration_row([L], 0.5) for L in (100, 1000, 5000, 9000)], "time does not grow"),
     (lambda r: np.ones((5, 4)), "plain array"),
@@ -341,7 +385,8 @@ def test_calibrate_refuses_bad_rows(rows, needle):
 
 
 def test_calibration_row_and_options():
-    assert calibration_row([3, 4], 1.5) == {"tokens": 7.0, "sum_sq_len": 25.0, "num_micros": 1.0, "seconds": 1.5}
+    assert calibration_row([3, 4], 1.5) == {"tokens": 7.0, "sum_sq_len": 25.0, "num_micros": 1.0, "seconds": 1.5,
+                                            "packed_sq": 49.0}
     assert calibration_row([[3], [4]], 1.5)["num_micros"] == 2.0
     with pytest.raises(mp.PlanError):
         calibration_row([], 1.0)

@@ -13,18 +13,18 @@ The core depends on numpy only; ``microplan.torch`` adds packing, loss and colle
 """
 
 from .batch import Batch
-from .calibrate import CalibrationResult, calibrate, calibration_row
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
-from .cost import CostModel, FlopsCost, TokenCost
+from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
 from .errors import PlanError
 from .plan import Plan
 from .planner import plan
-from .types import Micro, PlanStats, Step, StepStats
+from .types import KChoice, Micro, PlanStats, Step, StepStats
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
-    "StepStats", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "__version__",
+    "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
+    "MeterReport", "__version__",
 ]

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from ._checks import float_field
 from ._checks import int_field as _int_field
-from .cost import CostModel, FlopsCost, TokenCost, cost_from_dict
+from .cost.models import CostModel, FlopsCost, TokenCost, cost_from_dict
 from .errors import PlanError
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]

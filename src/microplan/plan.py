@@ -18,12 +18,15 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
-from .types import Micro, PlanStats, Step
+from .stats import compute_stats
+from .types import KChoice, Micro, PlanStats, Step
+from .validate import validate_plan
 
 __all__ = ["Plan", "FORMAT", "VERSION"]
 
 FORMAT = "microplan.plan"
-VERSION = 1
+VERSION = 2
+_READS = (1, 2)  # version 1: no per-step K choice
 
 
 class Plan:
@@ -57,13 +60,11 @@ class Plan:
     @cached_property
     def stats(self) -> PlanStats:
         """Predicted times, bounds and counts (computed once, on first access)."""
-        from .stats import compute_stats
-        return compute_stats(self)
+        return compute_stats(self.batch, self.config, self.steps, self.dropped)
 
     def validate(self) -> None:
         """Re-check every invariant of DESIGN.md; raise PlanError naming the first violation."""
-        from .validate import validate_plan
-        validate_plan(self)
+        validate_plan(self.batch, self.config, self.steps, self.dropped, self.drop_reasons)
 
     # -- equality and serialisation --------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
@@ -86,6 +87,7 @@ class Plan:
             "format": FORMAT, "version": VERSION,
             "batch": self.batch.to_dict(), "config": self.config.to_dict(),
             "steps": [[[m.to_dict() for m in row] for row in step.micros] for step in self.steps],
+            "choices": [None if step.choice is None else step.choice.to_dict() for step in self.steps],
             "dropped": self.dropped.tolist(),
             "drop_reasons": [[why, idx] for why, idx in reasons.items()],
         }
@@ -99,7 +101,7 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"not a microplan plan: expected a JSON object with format={FORMAT!r}.")
-        if d.get("version") != VERSION:
+        if d.get("version") not in _READS:
             raise PlanError(f"plan format version {d.get('version')!r} is not supported (this microplan reads "
                             f"version {VERSION}); re-plan with this version.")
         try:
@@ -107,11 +109,13 @@ class Plan:
             config = PlanConfig.from_dict(d["config"])
             lens, lt = batch.seq_lens, batch.loss_tokens
             steps = []
+            choices = d.get("choices") or [None] * len(d["steps"])
             for s, rows in enumerate(d["steps"]):
                 micros = [[_micro_from_dict(m, lens, lt) for m in row] for row in rows]
                 idx = [m.indices for row in micros for m in row if m.cp_rank == 0]
                 samples = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
-                steps.append(Step(s, micros, samples))
+                choice = None if choices[s] is None else KChoice.from_dict(choices[s])
+                steps.append(Step(s, micros, samples, choice=choice))
             reasons = {int(i): why for why, idx in d["drop_reasons"] for i in idx}
             return cls(batch=batch, config=config, steps=steps,
                        dropped=np.asarray(d["dropped"], dtype=np.int64), drop_reasons=reasons)

@@ -1,86 +1,109 @@
 """Predicted times and bounds of a plan under its cost model (see PlanStats for definitions).
 
-A micro-batch of CP degree c costs Σ sample costs / c + per_micro on each of its GPUs; a
-placeholder is one dummy token, split the same way: cost(1 token) / c + per_micro (so it never
-costs more than a real micro-batch). Lower bound of a step (as in PEERS.md):
-LB = max(Σ sample costs / (dp·c) + K_lb · per_micro, max sample cost / c_max + per_micro).
+A micro-batch costs its cost model's ``micro_cost`` (samples' additive cost, the packed-row
+term in its total T, and ``per_micro``); over a CP group of c GPUs each GPU does 1/c of the
+token work: (micro_cost − per_micro) / c + per_micro. A placeholder runs one dummy token
+(so it never costs more than a real micro-batch). The lower bound of a step is
+min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
+max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro).
+
+This module reads a plan's parts (batch, config, steps), never the ``Plan`` class, so
+``plan.py`` can import it without a cycle.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import numpy as np
 
-from .types import PlanStats, StepStats
+from .batch import Batch
+from .config import PlanConfig
+from .cost.models import bin_costs
+from .stages.kchoice import best_lower_bound
+from .types import PlanStats, Step, StepStats
 
-if TYPE_CHECKING:
-    from .plan import Plan
-
-__all__ = ["compute_stats", "micro_cost_grid"]
+__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid"]
 
 
-def micro_cost_grid(plan: Plan, step_index: int) -> np.ndarray:
+def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
     """``cost[r, m]`` of every micro-batch of one step, on the GPU(s) of rank r."""
-    cfg, step = plan.config, plan.steps[step_index]
-    cost = cfg.cost
+    cost = config.cost
     assert cost is not None
-    lens = plan.batch.seq_lens
-    sample_cost = cost.sample_costs(lens)
-    dummy = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
-    grid = np.empty((step.dp_size, step.micro_count), dtype=np.float64)
-    for r, row in enumerate(step.micros):
-        for m, micro in enumerate(row):
-            body = (dummy if micro.is_placeholder else float(sample_cost[micro.indices].sum())) / micro.cp_size
-            grid[r, m] = body + cost.per_micro
-    return grid
+    D, K = step.dp_size, step.micro_count
+    flat = [m for row in step.micros for m in row]
+    sizes = np.array([m.indices.size for m in flat], dtype=np.int64)
+    idx = np.concatenate([m.indices for m in flat]) if flat else np.zeros(0, dtype=np.int64)
+    owner = np.repeat(np.arange(len(flat)), sizes)
+    lens = batch.seq_lens[idx]
+    additive = np.bincount(owner, weights=cost.sample_costs(lens), minlength=len(flat))
+    tokens = np.bincount(owner, weights=lens, minlength=len(flat)).astype(np.float64)
+    empty = sizes == 0  # placeholders: one dummy token
+    additive[empty] = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
+    tokens[empty] = 1.0
+    body = bin_costs(cost, additive, tokens) - cost.per_micro
+    width = np.array([m.cp_size for m in flat], dtype=np.float64)
+    return (body / width + cost.per_micro).reshape(D, K)
 
 
-def _k_lower_bound(plan: Plan, n: int, tokens: int) -> int:
-    cfg = plan.config
+def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
+    """``cost[r, m]`` of step ``step_index`` of ``plan`` (anything with batch, config, steps)."""
+    return step_cost_grid(plan.batch, plan.config, plan.steps[step_index])  # type: ignore[attr-defined]
+
+
+def _k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
     if cfg.micro_batch_size is not None:
         return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)))
     assert cfg.max_tokens_per_micro is not None
     return max(1, -(-tokens // (cfg.dp_size * cfg.static_cp_size * cfg.max_tokens_per_micro)))
 
 
-def _max_cp(plan: Plan) -> int:
-    cp = plan.config.context_parallel
+def _max_cp(cfg: PlanConfig) -> int:
+    cp = cfg.context_parallel
     if cp is None:
         return 1
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def compute_stats(plan: Plan) -> PlanStats:
-    cfg = plan.config
+def _step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
+    """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP)."""
     cost = cfg.cost
     assert cost is not None
-    sample_cost = cost.sample_costs(plan.batch.seq_lens)
-    lens = plan.batch.seq_lens
+    if not idx.size:
+        return 0.0
+    lens = batch.seq_lens[idx]
+    return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,
+                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost)
+
+
+def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray) -> PlanStats:
+    """The :class:`PlanStats` of a plan given by its parts."""
+    cfg = config
+    cost = cfg.cost
+    assert cost is not None
+    lens = batch.seq_lens
     per_step: list[StepStats] = []
     rank_total = np.zeros(cfg.dp_size)
     max_tokens = 0
-    for s, step in enumerate(plan.steps):
-        grid = micro_cost_grid(plan, s)
+    for step in steps:
+        grid = step_cost_grid(batch, cfg, step)
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        k_lb = _k_lower_bound(plan, n, tokens)
-        gpus = cfg.dp_size * cfg.static_cp_size
-        lb = max(float(sample_cost[idx].sum()) / gpus + k_lb * cost.per_micro,
-                 (float(sample_cost[idx].max()) / _max_cp(plan) if n else 0.0) + cost.per_micro)
+        k_lb = _k_lower_bound(cfg, n, tokens)
+        lb = _step_lower_bound(batch, cfg, idx, k_lb)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         per_step.append(StepStats(
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
             num_placeholders=step.num_placeholders, max_micro_tokens=step_max,
             lockstep_time=float(grid.max(axis=0).sum()), step_sync_time=float(grid.sum(axis=1).max()),
-            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1))))
+            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice))
     lock = sum(p.lockstep_time for p in per_step)
     sync = sum(p.step_sync_time for p in per_step)
     mean = float(rank_total.mean()) if rank_total.size else 0.0
     return PlanStats(
-        num_steps=len(plan.steps), num_samples=plan.batch.num_samples, num_dropped=int(plan.dropped.size),
+        num_steps=len(steps), num_samples=batch.num_samples, num_dropped=int(dropped.size),
         num_placeholders=sum(p.num_placeholders for p in per_step), max_micro_tokens=max_tokens,
         cap=cfg.max_tokens_per_micro, micro_count=sum(p.micro_count for p in per_step),
         micro_count_lower_bound=sum(p.micro_count_lower_bound for p in per_step),

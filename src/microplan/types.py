@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Micro", "Step", "StepStats", "PlanStats"]
+__all__ = ["Micro", "Step", "StepStats", "PlanStats", "KChoice"]
 
 
 def _ro(a: Any, dtype: Any) -> np.ndarray:
@@ -101,6 +101,35 @@ class Micro:
                 "cp_size": self.cp_size, "cp_rank": self.cp_rank, "cp_group": list(self.cp_group)}
 
 
+@dataclass(frozen=True)
+class KChoice:
+    """Why a step runs K micro-batches per rank (see ``stages/kchoice.py``).
+
+    Attributes:
+        micro_count: the K chosen.
+        lower_bound: K_lb, the fewest micro-batches per rank the cap allows (aligned).
+        candidates: ``(K, predicted step time)`` for every K packed, in the order tried; ``inf``
+            when no packing under the cap was found at that K.
+        reason: one sentence for humans.
+    """
+
+    micro_count: int
+    lower_bound: int
+    candidates: tuple[tuple[int, float], ...]
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"micro_count": self.micro_count, "lower_bound": self.lower_bound,
+                "candidates": [[k, (t if t != float("inf") else None)] for k, t in self.candidates],
+                "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> KChoice:
+        return cls(int(d["micro_count"]), int(d["lower_bound"]),
+                   tuple((int(k), float("inf") if t is None else float(t)) for k, t in d["candidates"]),
+                   str(d["reason"]))
+
+
 @dataclass(frozen=True, eq=False)
 class Step:
     """One optimizer step (mini-batch) of the plan (binding API).
@@ -109,11 +138,14 @@ class Step:
         index: position of the step in the plan (0-based).
         micros: ``micros[rank][m]`` is the m-th micro-batch rank ``rank`` runs in this step.
         samples: int64 global indices of every sample that trains in this step (sorted).
+        choice: why the step runs K micro-batches per rank (the K tried and their predicted
+            times); None for static batching and dynamic context parallel.
     """
 
     index: int
     micros: tuple[tuple[Micro, ...], ...]
     samples: np.ndarray
+    choice: KChoice | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "micros", tuple(tuple(r) for r in self.micros))
@@ -136,7 +168,7 @@ class Step:
         if not isinstance(other, Step):
             return NotImplemented
         return (self.index == other.index and np.array_equal(self.samples, other.samples)
-                and self.micros == other.micros)
+                and self.micros == other.micros and self.choice == other.choice)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -159,6 +191,7 @@ class StepStats:
     step_sync_time: float
     time_lower_bound: float
     rank_costs: tuple[float, ...]
+    choice: KChoice | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,16 +10,15 @@ groups, and the loss scales (recomputed from the loss contract). Cost: O(total s
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from .batch import Batch
+from .config import PlanConfig
 from .errors import PlanError
-from .weigh import loss_coefficients, loss_scales
-
-if TYPE_CHECKING:
-    from .plan import Plan
-    from .types import Micro, Step
+from .stages.weigh import loss_coefficients, loss_scales
+from .types import Micro, Step
 
 __all__ = ["validate_plan"]
 
@@ -28,8 +27,7 @@ def _fail(msg: str) -> None:
     raise PlanError(f"invalid plan: {msg}")
 
 
-def _check_micro(plan: Plan, s: int, r: int, m: int, micro: Micro) -> None:
-    b, cfg = plan.batch, plan.config
+def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro) -> None:
     where = f"step {s}, rank {r}, micro {m}"
     k = micro.indices.size
     if not (micro.seq_lens.size == micro.loss_tokens.size == micro.loss_scale.size == k):
@@ -68,10 +66,11 @@ def _check_cp_groups(step: Step, s: int) -> None:
                     _fail(f"step {s}, micro {m}: ranks {r} and {other} disagree on their CP group")
 
 
-def validate_plan(plan: Plan) -> None:
-    b, cfg = plan.batch, plan.config
+def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.ndarray,
+                  drop_reasons: Mapping[int, str]) -> None:
+    """Raise PlanError naming the first violated invariant of the plan given by its parts."""
     owner = np.full(b.num_samples, -1, dtype=np.int64)  # step of each sample
-    for s, step in enumerate(plan.steps):
+    for s, step in enumerate(steps):
         if step.index != s:
             _fail(f"step {s} carries index {step.index}")
         if len(step.micros) != cfg.dp_size:
@@ -84,7 +83,7 @@ def validate_plan(plan: Plan) -> None:
             _fail(f"step {s}: {K} micro-batches per rank is not a positive multiple of align={cfg.align}")
         for r, row in enumerate(step.micros):
             for m, micro in enumerate(row):
-                _check_micro(plan, s, r, m, micro)
+                _check_micro(b, cfg, s, r, m, micro)
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
             _check_cp_groups(step, s)
         seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]
@@ -98,8 +97,7 @@ def validate_plan(plan: Plan) -> None:
             _fail(f"step {s}: Step.samples differs from the samples in its micro-batches")
         if not idx.size:
             _fail(f"step {s} trains no sample")
-        _check_scales(plan, step, s)
-    dropped = plan.dropped
+        _check_scales(b, cfg, step, s)
     if dropped.size and (dropped.min() < 0 or dropped.max() >= b.num_samples):
         bad = int(dropped[(dropped < 0) | (dropped >= b.num_samples)][0])
         _fail(f"dropped sample {bad} is out of range 0..{b.num_samples - 1}")
@@ -107,14 +105,14 @@ def validate_plan(plan: Plan) -> None:
         _fail("a sample is listed twice in dropped")
     if (owner[dropped] >= 0).any():
         _fail(f"sample {int(dropped[owner[dropped] >= 0][0])} is both dropped and planned")
-    if set(plan.drop_reasons) != set(dropped.tolist()):
+    if set(drop_reasons) != set(dropped.tolist()):
         _fail("drop_reasons does not give a reason for exactly the dropped samples")
-    owner[dropped] = len(plan.steps)
+    owner[dropped] = len(steps)
     lost = np.flatnonzero(owner < 0)
     if lost.size:
         _fail(f"sample {int(lost[0])} is neither planned nor dropped ({lost.size} such samples)")
     for name, codes in (("rollout", b.rollout_codes), ("prompt group", b.prompt_codes)):
-        planned = owner < len(plan.steps)
+        planned = owner < len(steps)
         if planned.any():
             c, st = codes[planned], owner[planned]
             lo = np.full(int(codes.max()) + 1, np.iinfo(np.int64).max)
@@ -126,8 +124,7 @@ def validate_plan(plan: Plan) -> None:
                 _fail(f"{name} {int(bad[0])} spans steps {int(lo[bad[0]])} and {int(hi[bad[0]])}")
 
 
-def _check_scales(plan: Plan, step: Step, s: int) -> None:
-    b, cfg = plan.batch, plan.config
+def _check_scales(b: Batch, cfg: PlanConfig, step: Step, s: int) -> None:
     idx = step.samples
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, b.loss_tokens[idx], b.prompt_codes[idx], b.rollout_codes[idx])

@@ -1,13 +1,16 @@
 """Fit one step onto the ranks: choose K, pack real micro-batches, apply ``short_step``.
 
-Design note. K (micro-batches per rank) starts at its lower bound — ⌈bins_lb / dp⌉ rounded up
-to ``align``, where bins_lb = max(⌈tokens / cap⌉, #samples longer than cap/2) — and grows by
-``align`` until the packer fills all ``dp·K`` micro-batches under the cap. Splitting never
-needs a separate pass: the packer targets the exact bin count. When a step has too few samples
+Design note. K (micro-batches per rank) is chosen by predicted step time (``kchoice.py``): with
+an additive cost it is the lower bound — ⌈bins_lb / dp⌉ rounded up to ``align``, where
+bins_lb = max(⌈tokens / cap⌉, #samples longer than cap/2) — grown by ``align`` until the
+packer fills all ``dp·K`` micro-batches under the cap; with a packed-row term (dense attention
+over the row) more, smaller micro-batches can be faster and K is searched. Packing at a K is the
+slot-target LPT below, then first-fit decreasing, then (small steps) an exhaustive search, so a
+K is abandoned only when no packing was found (``exact.py``). When a step has too few samples
 to give every rank K non-empty micro-batches (long samples sit alone, or fewer samples than
-ranks), ``short_step`` decides: ``pad`` adds the fewest placeholder micro-batches (using as
-many real ones as there are samples), ``drop`` drops the fewest whole trailing rollouts until
-no placeholder is needed (the slime fix; raises when no prefix of at least dp·align samples
+ranks), ``short_step`` decides: ``pad`` adds the fewest placeholder micro-batches (using as many
+real ones as there are samples), ``drop`` drops the fewest whole trailing rollouts until no
+placeholder is needed (the slime fix; raises when no prefix of at least dp·align samples
 works), ``error`` raises. Every refusal is a PlanError naming the step, the counts and the
 settings to change. Cost: one packing per K tried (usually one).
 """
@@ -18,12 +21,17 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .config import PlanConfig
-from .errors import PlanError
+from ..config import PlanConfig
+from ..cost.models import CostModel, is_additive
+from ..errors import PlanError
+from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
+from .kchoice import MAX_EVALS, KChoice, packed_slope, step_time, time_lower_bounds
 from .pack import bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .refine import refine_bins
 
-__all__ = ["StepFit", "fit_step"]
+__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets"]
+
+FFD_MAX_SAMPLES = 4096  # first-fit-decreasing fallback is O(n·m) numpy: only for steps up to this size
 
 
 class StepFit(NamedTuple):
@@ -34,6 +42,14 @@ class StepFit(NamedTuple):
     dropped: np.ndarray       # local positions dropped by short_step="drop"
     num_bins: int             # real (non-placeholder) micro-batches
     micro_count: int          # K per rank; dp·K - num_bins placeholders
+    choice: KChoice | None = None  # why K (None for static batching)
+
+
+class _Packing(NamedTuple):
+    bin_of: np.ndarray
+    num_bins: int
+    K: int
+    choice: KChoice | None
 
 
 def _cdiv(x, d):  # ceil division for ints and int arrays
@@ -51,22 +67,83 @@ def effective_cap(cfg: PlanConfig) -> int | None:
     return cfg.max_tokens_per_micro * cfg.static_cp_size
 
 
-def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, int, int]:
-    """(bin_of, num_bins, K) with the smallest K found; num_bins < dp·K means placeholders."""
+def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> _Packing:
+    """The packing with the K of lowest predicted time; num_bins < dp·K means placeholders."""
     D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
         K = _round_up(_cdiv(_cdiv(n, cfg.micro_batch_size), D), a)
         m = min(n, D * K)
-        return round_robin_pack(costs, m), m, K
+        return _Packing(round_robin_pack(costs, m), m, K, None)
     cap = effective_cap(cfg)
-    assert cap is not None
-    K = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
+    assert cap is not None and cfg.cost is not None
+    K0 = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
+    k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
+    if is_additive(cfg.cost) or k_hi <= K0:
+        return _grow(lens, costs, cfg, K0, K0, [])
+    return _search(lens, costs, cfg, K0, k_hi)
+
+
+def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> float:
+    return step_time(bin_of, m, cfg.dp_size, K, lens, costs, cfg.cost, cfg.sync,  # type: ignore[arg-type]
+                     width=cfg.static_cp_size)
+
+
+def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
+          tried: list[tuple[int, float]]) -> _Packing:
+    """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
+    D, n, cap = cfg.dp_size, lens.size, effective_cap(cfg)
     while True:
         m = min(n, D * K)
-        bin_of = _pack_slots(lens, costs, m, D, K, cap)
+        bin_of = _pack_at(lens, costs, m, D, K, cap, cfg.cost)  # type: ignore[arg-type]
         if bin_of is not None:
-            return bin_of, m, K
-        K += a  # m == n always packs (one sample per bin), so this terminates
+            break
+        tried.append((K, float("inf")))
+        K += cfg.align  # m == n always packs (one sample per bin), so this terminates
+    tried.append((K, _time(bin_of, m, K, lens, costs, cfg)))
+    if K == K0:
+        why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
+               "micro-batches only add per-micro cost")
+    else:
+        why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
+    return _Packing(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
+
+
+def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int) -> _Packing:
+    """Walk K from argmin LB(K) while the packed plan's predicted time improves (packed-row costs)."""
+    D, a, cap = cfg.dp_size, cfg.align, effective_cap(cfg)
+    cp = cfg.static_cp_size
+    Ks = np.arange(K0, k_hi + 1, a)
+    lb = time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cfg.cost)  # type: ignore[arg-type]
+    start = int(Ks[int(np.argmin(lb))])
+    done: dict[int, tuple[float, np.ndarray | None]] = {}
+    order: list[int] = []
+
+    def evaluate(K: int) -> float:
+        bin_of = _pack_at(lens, costs, D * K, D, K, cap, cfg.cost)  # type: ignore[arg-type]
+        t = float("inf") if bin_of is None else _time(bin_of, D * K, K, lens, costs, cfg)
+        done[K] = (t, bin_of)
+        order.append(K)
+        return t
+
+    best_t = evaluate(start)
+    for direction in (+a, -a):
+        K = start + direction
+        while K0 <= K <= k_hi and len(done) < MAX_EVALS:
+            t = evaluate(K)
+            cur = min(v[0] for v in done.values())
+            if t > cur * (1 + 1e-12) and np.isfinite(cur):
+                break
+            K += direction
+        best_t = min(v[0] for v in done.values())
+    if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
+        return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order])
+    K = min(k for k in done if done[k][0] == best_t)
+    cands = tuple((k, done[k][0]) for k in order)
+    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
+    why = (f"K={K} has the lowest predicted {'lockstep' if cfg.sync == 'micro' else 'step-sync'} time of the "
+           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
+           f"(lower bound K={K0})")
+    return _Packing(done[K][1], D * K, K, KChoice(K, K0, cands, why))  # type: ignore[arg-type]
 
 
 def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
@@ -85,6 +162,26 @@ def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
         out[m] = max(left / (D * (K - m)), lead)
         left = max(left - D * out[m], 0.0)
     return out
+
+
+def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
+             cost: CostModel) -> np.ndarray | None:
+    """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
+
+    With a packed-row term the samples are balanced on their first-order cost at the mean row
+    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g).
+    """
+    if not is_additive(cost) and m:
+        costs = costs + packed_slope(cost, float(lens.sum()) / m) * lens
+    bin_of = _pack_slots(lens, costs, m, D, K, cap)
+    if bin_of is not None:
+        return bin_of
+    n = lens.size
+    if n <= FFD_MAX_SAMPLES:
+        bin_of = first_fit_decreasing(lens, m, cap)
+        if bin_of is None and n <= EXACT_MAX_SAMPLES:
+            bin_of = exact_pack(lens, m, cap)
+    return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap)
 
 
 def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int) -> np.ndarray | None:
@@ -118,11 +215,11 @@ def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray
              rollouts: np.ndarray, cfg: PlanConfig) -> StepFit:
     """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes)."""
     _check_cap(lens, samples, cfg)
-    bin_of, m, K = _pack(lens, costs, cfg)
+    bin_of, m, K, choice = _pack(lens, costs, cfg)
     all_pos = np.arange(lens.size, dtype=np.int64)
     none = np.zeros(0, dtype=np.int64)
     if m == cfg.dp_size * K or cfg.short_step == "pad":
-        return StepFit(bin_of, all_pos, none, m, K)
+        return StepFit(bin_of, all_pos, none, m, K, choice)
     if cfg.short_step == "drop":
         return _drop_trailing(step, lens, costs, rollouts, cfg)
     raise PlanError(_short_message(step, lens.size, K, cfg)
@@ -154,9 +251,9 @@ def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.
         if D * int(K_lb[keep - 1]) > n_keep:
             continue
         pos = np.flatnonzero(inverse < keep).astype(np.int64)
-        bin_of, m, K = _pack(lens[pos], costs[pos], cfg)
+        bin_of, m, K, choice = _pack(lens[pos], costs[pos], cfg)
         if m == D * K:
-            return StepFit(bin_of, pos, np.flatnonzero(inverse >= keep).astype(np.int64), m, K)
+            return StepFit(bin_of, pos, np.flatnonzero(inverse >= keep).astype(np.int64), m, K, choice)
     raise PlanError(_short_message(step, lens.size, None, cfg)
                     + f" short_step='drop' found no prefix of whole rollouts (of {R}) whose samples fill "
                     f"dp_size × align = {D * a}-aligned micro-batches. Change the step size (Steps) or samples per "

@@ -2,23 +2,27 @@
 
 Each measured row is one timed unit of work (a micro-batch, or a whole step on one rank) and
 says how much it did: ``tokens`` (Σ L over its samples), ``sum_sq_len`` (Σ L²), ``num_micros``
-(micro-batches it ran) and ``seconds``. The model is linear in its three coefficients::
+(micro-batches it ran), optionally ``packed_sq`` (Σ over its micro-batches of T², T = the
+micro-batch's packed tokens) and ``seconds``. The model is linear in its coefficients::
 
-    seconds ≈ linear·tokens + quadratic·sum_sq_len + per_micro·num_micros
+    seconds ≈ linear·tokens + quadratic·sum_sq_len + packed_quadratic·packed_sq + per_micro·num_micros
 
 Design note:
 
 1. Validate rows (finite, ``tokens > 0``, ``tokens ≤ sum_sq_len ≤ tokens²`` since every
-   L ≥ 1, ``num_micros ≥ 1``, ``seconds > 0``) and refuse fewer rows than coefficients.
+   L ≥ 1, ``sum_sq_len ≤ packed_sq``, ``num_micros ≥ 1``, ``seconds > 0``) and refuse fewer rows
+   than coefficients.
 2. Scale each column to unit norm (tokens and Σ L² differ by ~10 orders of magnitude) and refuse
    a design whose scaled columns are (near-)collinear: those coefficients are not identifiable.
-3. Solve nonnegative least squares exactly by enumerating the 2³ supports: least squares on each
+   The packed term is fitted when the rows carry ``packed_sq`` and separate it from Σ L² (some
+   micro-batch packs several samples); ``packed=True`` insists, ``packed=False`` leaves it out.
+3. Solve nonnegative least squares exactly by enumerating the supports: least squares on each
    support, keep the feasible (all ≥ 0) solution with the smallest residual. The NNLS optimum is
    the least-squares solution on its own support (KKT), so the enumeration finds it; no scipy.
 
 Guarantees: coefficients are ≥ 0 and optimal among nonnegative ones (for the chosen weighting);
 degenerate input is a :class:`PlanError` naming the row/field and what to measure instead.
-The exact enumeration costs ~0.3 ms for 1,000 rows (8 small lstsq solves).
+The exact enumeration costs ~0.5 ms for 1,000 rows (≤ 15 small lstsq solves).
 
 Trade-off (measured in the setting of ``tests/test_cost.py``: 100 rows of 1-3 micro-batches
 of 1-8 samples of 16 to 65,536 tokens, 2 % multiplicative timing noise, worst of 50 seeds):
@@ -38,12 +42,13 @@ from typing import Any
 
 import numpy as np
 
-from .cost import FlopsCost
-from .errors import PlanError
+from .models import FlopsCost
+from ..errors import PlanError
 
-__all__ = ["FIELDS", "CalibrationResult", "calibrate", "calibration_row"]
+__all__ = ["FIELDS", "OPTIONAL_FIELDS", "CalibrationResult", "calibrate", "calibration_row", "nnls"]
 
 FIELDS: tuple[str, ...] = ("tokens", "sum_sq_len", "num_micros", "seconds")
+OPTIONAL_FIELDS: tuple[str, ...] = ("packed_sq",)
 _COND_LIMIT = 1e-9  # smallest/largest singular value of the unit-norm design below this: degenerate
 
 
@@ -58,6 +63,13 @@ class CalibrationResult:
             every row took the same time and the fit is exact, 0.0 when it is not).
         num_rows: rows fitted.
         max_relative_error: the largest ``|seconds - predicted| / seconds`` over the rows.
+        terms: the coefficients fitted (``packed_quadratic`` only when the rows separate it).
+        heldout_median_error / heldout_max_error: ``|predicted/measured - 1|`` over timed
+            compositions the fit did not see (``microplan.torch.profile_cost``; None otherwise).
+        regime: the attention regime the timings show: ``"varlen"`` (per-sample Σ L²),
+            ``"packed"`` (T² of the packed row), ``"linear"`` (no attention term worth fitting);
+            None when not assessed.
+        rows: the measured rows (profile_cost: every composition timed, held-out ones marked).
     """
 
     cost: FlopsCost
@@ -65,13 +77,29 @@ class CalibrationResult:
     r2: float
     num_rows: int
     max_relative_error: float
+    terms: tuple[str, ...] = ("linear", "quadratic", "per_micro")
+    heldout_median_error: float | None = None
+    heldout_max_error: float | None = None
+    regime: str | None = None
+    rows: tuple[dict[str, Any], ...] = ()
+
+    def describe(self) -> str:
+        """A short multi-line report: the model, R², held-out error, regime."""
+        lines = [self.cost.describe(), f"R² = {self.r2:.4f} over {self.num_rows} rows, worst relative error "
+                 f"{self.max_relative_error:.1%}"]
+        if self.heldout_median_error is not None:
+            lines.append(f"held-out compositions: median error {self.heldout_median_error:.1%}, "
+                         f"worst {self.heldout_max_error:.1%}")
+        if self.regime is not None:
+            lines.append(f"attention regime: {self.regime}")
+        return "\n".join(lines)
 
 
 def calibration_row(micro_seq_lens: Sequence[int] | Sequence[Sequence[int]], seconds: float) -> dict[str, float]:
     """One row from what was timed: a micro-batch's sample lengths, or a list of micro-batches.
 
     >>> calibration_row([[1000, 3000], [4000]], 0.52)
-    {'tokens': 8000.0, 'sum_sq_len': 26000000.0, 'num_micros': 2.0, 'seconds': 0.52}
+    {'tokens': 8000.0, 'sum_sq_len': 26000000.0, 'num_micros': 2.0, 'seconds': 0.52, 'packed_sq': 32000000.0}
     """
     items = list(micro_seq_lens)
     micros = items if items and all(isinstance(m, (Sequence, np.ndarray)) for m in items) else [items]
@@ -79,8 +107,9 @@ def calibration_row(micro_seq_lens: Sequence[int] | Sequence[Sequence[int]], sec
     if not lens:
         raise PlanError("calibration_row got no sample lengths; pass the lengths of the samples that ran.")
     arr = np.asarray(lens)
+    packed = sum(float(np.sum(np.asarray(m, dtype=np.float64))) ** 2 for m in micros)
     return {"tokens": float(arr.sum()), "sum_sq_len": float((arr * arr).sum()),
-            "num_micros": float(len(micros)), "seconds": float(seconds)}
+            "num_micros": float(len(micros)), "seconds": float(seconds), "packed_sq": packed}
 
 
 def _columns(rows: Any) -> dict[str, np.ndarray]:
@@ -104,7 +133,7 @@ def _columns(rows: Any) -> dict[str, np.ndarray]:
                 raise PlanError(f"calibrate rows[{i}] lacks {missing}; each row needs {FIELDS} "
                                 f"(calibration_row(lengths, seconds) builds one).")
         get = lambda f: [r[f] for r in rows]  # noqa: E731
-        have = set(FIELDS)
+        have = set(FIELDS) | ({"packed_sq"} if rows and all("packed_sq" in r for r in rows) else set())
     else:
         raise PlanError(f"calibrate got {type(rows).__name__}; pass a list of dicts, a structured array, "
                         f"or a dict of columns with fields {FIELDS}.")
@@ -112,7 +141,7 @@ def _columns(rows: Any) -> dict[str, np.ndarray]:
     if missing:
         raise PlanError(f"calibrate input lacks field(s) {missing}; required: {FIELDS}.")
     out = {}
-    for f in FIELDS:
+    for f in FIELDS + tuple(f for f in OPTIONAL_FIELDS if f in have):
         try:
             col = np.asarray(get(f), dtype=np.float64)
         except (TypeError, ValueError) as exc:
@@ -138,12 +167,25 @@ def _check(cols: dict[str, np.ndarray]) -> None:
                                 ("seconds", s, s > 0, "> 0; drop rows that were not timed"),
                                 ("sum_sq_len", sq, sq >= t * (1 - 1e-12), "≥ tokens (every L ≥ 1)" + swapped),
                                 ("sum_sq_len", sq, sq <= t * t * (1 + 1e-12),
-                                 "<= tokens² (Σ L² ≤ (Σ L)²)" + swapped)):
+                                 "<= tokens² (Σ L² ≤ (Σ L)²)" + swapped)) + _packed_rules(cols):
         bad = np.flatnonzero(~ok)
         if bad.size:
             i = int(bad[0])
             raise PlanError(f"calibrate row {i}: {name}={float(col[i])!r} must be {rule} "
                             f"(row: tokens={float(t[i])!r}, sum_sq_len={float(sq[i])!r}).")
+
+
+def _packed_rules(cols: dict[str, np.ndarray]) -> tuple:
+    if "packed_sq" not in cols:
+        return ()
+    t, sq, p = cols["tokens"], cols["sum_sq_len"], cols["packed_sq"]
+    return (("packed_sq", p, p >= sq * (1 - 1e-12), ">= sum_sq_len (each micro-batch's T² >= Σ L² of its samples)"),
+            ("packed_sq", p, p <= t * t * (1 + 1e-12), "<= tokens² (Σ_m T_m² <= (Σ T_m)²)"))
+
+
+def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin ||a·x - b|| subject to x >= 0, exactly (see the module note); ``a`` has <= ~5 columns."""
+    return _nnls(a, b)
 
 
 def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -165,51 +207,83 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-def calibrate(rows: Any, *, relative: bool = True) -> CalibrationResult:
-    """Fit ``seconds ≈ linear·tokens + quadratic·sum_sq_len + per_micro·num_micros`` with all ≥ 0.
+_NAMES = {"tokens": "linear", "sum_sq_len": "quadratic", "packed_sq": "packed_quadratic", "num_micros": "per_micro"}
+
+
+def _separable(a: np.ndarray) -> bool:
+    norms = np.linalg.norm(a, axis=0)
+    if np.any(norms == 0):
+        return False
+    sv = np.linalg.svd(a / norms, compute_uv=False)
+    return bool(sv[-1] >= _COND_LIMIT * sv[0])
+
+
+def calibrate(rows: Any, *, relative: bool = True, packed: bool | None = None) -> CalibrationResult:
+    """Fit ``seconds ≈ linear·tokens + quadratic·sum_sq_len [+ packed_quadratic·packed_sq] + per_micro·num_micros``.
 
     Args:
-        rows: measured rows with fields ``tokens``, ``sum_sq_len``, ``num_micros``, ``seconds``:
-            a list of dicts (see :func:`calibration_row`), a numpy structured array, or a dict of
-            columns. At least 3 rows, varied enough to separate the three terms (different
-            lengths mixes and different micro-batch counts).
+        rows: measured rows with fields ``tokens``, ``sum_sq_len``, ``num_micros``, ``seconds``
+            and optionally ``packed_sq``: a list of dicts (see :func:`calibration_row`), a numpy
+            structured array, or a dict of columns. At least one row per coefficient, varied
+            enough to separate the terms (short and long samples, different micro-batch counts,
+            and — for the packed term — micro-batches packing several samples).
         relative: minimise relative errors, weighting each row by 1/seconds (default True: timing
             noise is roughly proportional to the work, and short rows, which pin down
             ``per_micro``, then count as much as long ones). False minimises absolute errors.
+        packed: fit ``packed_quadratic`` (True: required, a PlanError if the rows cannot separate
+            it), leave it at 0 (False), or decide (None, default): fitted when the rows carry
+            ``packed_sq`` and separate it from ``sum_sq_len``.
 
     Returns:
         :class:`CalibrationResult` with the fitted :class:`FlopsCost` (in seconds), the residual
-        RMS, R², the row count and the worst relative error.
+        RMS, R², the row count, the worst relative error and the terms fitted.
 
     Raises:
-        PlanError: malformed rows, fewer than 3 rows, collinear columns (e.g. every row has the
-            same length mix, or one micro-batch per fixed token count), or a fit in which time
-            does not grow with tokens at all.
+        PlanError: malformed rows, too few rows, collinear columns (e.g. every row has the same
+            length mix, or one micro-batch per fixed token count), or a fit in which time does not
+            grow with tokens at all.
     """
     if not isinstance(relative, bool):
         raise PlanError(f"calibrate(relative={relative!r}) must be True or False.")
+    if packed is not None and not isinstance(packed, bool):
+        raise PlanError(f"calibrate(packed={packed!r}) must be True, False or None (decide from the rows).")
     cols = _columns(rows)
     _check(cols)
     n = len(cols["seconds"])
-    if n < 3:
-        raise PlanError(f"calibrate got {n} row(s) but fits 3 coefficients (linear, quadratic, per_micro); "
-                        f"time at least 3 — better 20+ — steps with different lengths and micro counts.")
-    design = np.column_stack([cols["tokens"], cols["sum_sq_len"], cols["num_micros"]])
     seconds = cols["seconds"]
     w = 1.0 / seconds if relative else np.ones(n)
+    names = ["tokens", "sum_sq_len", "num_micros"]
+    if packed is not False and "packed_sq" in cols:
+        with_packed = ["tokens", "sum_sq_len", "packed_sq", "num_micros"]
+        a4 = np.column_stack([cols[f] for f in with_packed]) * w[:, None]
+        if packed or (n >= 4 and _separable(a4)):
+            names = with_packed
+    elif packed:
+        raise PlanError("calibrate(packed=True) needs a 'packed_sq' field in every row (Σ over the row's "
+                        "micro-batches of T²); calibration_row(lengths, seconds) adds it.")
+    k = len(names)
+    if n < k:
+        terms = ", ".join(_NAMES[f] for f in names)
+        raise PlanError(f"calibrate got {n} row(s) but fits {k} coefficients ({terms}); time at least {k} — "
+                        f"better 20+ — steps with different lengths and micro counts.")
+    design = np.column_stack([cols[f] for f in names])
     a = design * w[:, None]
     norms = np.linalg.norm(a, axis=0)
-    a_unit = a / norms
-    sv = np.linalg.svd(a_unit, compute_uv=False)
-    if sv[-1] < _COND_LIMIT * sv[0]:
+    if not _separable(a):
+        if "packed_sq" in names:
+            raise PlanError("calibrate rows cannot separate quadratic (per-sample Σ L²) from packed_quadratic "
+                            "(T² of the packed row), or the other terms: time micro-batches that pack several "
+                            "samples as well as micro-batches of one long sample, at different totals.")
         raise PlanError("calibrate rows cannot separate linear, quadratic and per_micro: the columns tokens, "
                         "sum_sq_len and num_micros are (nearly) proportional across rows. Time rows that differ "
                         "in sequence lengths (short and long samples) and in micro-batches per row.")
-    x = _nnls(a_unit, seconds * w) / norms
-    linear, quadratic, per_micro = (float(v) for v in x)
-    if linear == 0.0 and quadratic == 0.0:
-        raise PlanError("calibrate: the best nonnegative fit has linear = quadratic = 0, i.e. time does not "
-                        "grow with tokens in these rows; time larger batches (overheads dominate these).")
+    x = _nnls(a / norms, seconds * w) / norms
+    coef = dict(zip(names, (float(v) for v in x)))
+    linear, quadratic = coef["tokens"], coef["sum_sq_len"]
+    packed_q, per_micro = coef.get("packed_sq", 0.0), coef["num_micros"]
+    if linear == 0.0 and quadratic == 0.0 and packed_q == 0.0:
+        raise PlanError("calibrate: the best nonnegative fit has no token term (linear = quadratic = 0), i.e. time "
+                        "does not grow with tokens in these rows; time larger batches (overheads dominate these).")
     pred = design @ x
     resid = seconds - pred
     ss_res = float(resid @ resid)
@@ -219,6 +293,8 @@ def calibrate(rows: Any, *, relative: bool = True) -> CalibrationResult:
         r2 = 1.0 - ss_res / ss_tot
     else:
         r2 = 1.0 if ss_res <= 1e-24 * float(seconds @ seconds) else 0.0
-    return CalibrationResult(cost=FlopsCost(linear=linear, quadratic=quadratic, per_micro=per_micro),
+    return CalibrationResult(cost=FlopsCost(linear=linear, quadratic=quadratic, per_micro=per_micro,
+                                            packed_quadratic=packed_q),
                              residual_rms=math.sqrt(ss_res / n), r2=r2, num_rows=n,
-                             max_relative_error=float(np.max(np.abs(resid) / seconds)))
+                             max_relative_error=float(np.max(np.abs(resid) / seconds)),
+                             terms=tuple(_NAMES[f] for f in names))

@@ -35,14 +35,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .batch import Batch
+from ..batch import Batch
+from ..config import ContextParallel, PlanConfig
+from ..cost.models import bin_costs
+from ..errors import PlanError
+from ..types import Micro, Step
 from .assign import arrange
-from .config import ContextParallel, PlanConfig
-from .errors import PlanError
 from .fit import fit_step
+from .micros import binned_micros
 from .pack import lpt_pack_wide
-from .planner import binned_micros
-from .types import Micro, Step
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["plan_dynamic_cp_step", "cp_degrees"]
@@ -275,9 +276,11 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
     D = cfg.dp_size
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     nb = layout.width.size
-    body = np.bincount(layout.bin_of, weights=c, minlength=nb)
+    tokens = np.bincount(layout.bin_of, weights=batch.seq_lens[kept], minlength=nb)
+    body = bin_costs(cfg.cost, np.bincount(layout.bin_of, weights=c, minlength=nb), tokens)  # type: ignore[arg-type]
+    body -= cfg.cost.per_micro  # type: ignore[union-attr]
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
-    body[empty] = cfg.cost.sample_costs(np.ones(1, dtype=np.int64))[0]  # type: ignore[union-attr]
+    body[empty] = cfg.cost.micro_cost([1]) - cfg.cost.per_micro  # type: ignore[union-attr]
     bin_load = body / layout.width
     rank_cost = np.full((D, K), cfg.cost.per_micro)  # type: ignore[union-attr]
     bins = binned_micros(kept, layout.bin_of, nb, scale, batch)
@@ -320,7 +323,9 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     if fit.num_bins != groups * K:
         return None
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
-    micro_cost = np.bincount(fit.bin_of, weights=c, minlength=groups * K)
+    tokens = np.bincount(fit.bin_of, weights=lens, minlength=groups * K)
+    micro_cost = bin_costs(cfg.cost, np.bincount(fit.bin_of, weights=c, minlength=groups * K),  # type: ignore[arg-type]
+                           tokens) - cfg.cost.per_micro  # type: ignore[union-attr]
     placed = arrange(micro_cost, groups, K)
     bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
     grid: list[list[Micro]] = []

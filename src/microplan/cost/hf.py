@@ -1,15 +1,6 @@
-"""Cost models: the predicted time of a micro-batch, used for balancing and predicted times.
+"""Model FLOPs from a Hugging Face-style config: the derivation behind ``FlopsCost.from_hf_config``.
 
-A cost model maps each sample's packed length L to ``linear·L + quadratic·L²`` (the varlen
-attention term is per sample, so the quadratic part adds up sample by sample) and charges a
-fixed ``per_micro`` for every micro-batch a rank runs (kernel launches, FSDP gathers, the
-optimizer-free part of a forward/backward). Units are whatever the coefficients are in:
-FLOPs for :meth:`FlopsCost.from_hf_config`, seconds after :func:`microplan.calibrate`.
-
-Both models are frozen dataclasses with ``sample_costs`` (vectorised, O(n)) and ``to_dict``;
-:func:`cost_from_dict` inverts ``to_dict`` so plans round-trip through JSON.
-
-Design note (``from_hf_config``; derivation in ``docs/cost.md``):
+Design note:
 
 1. Read the config (a dict or any object with attributes, e.g. a transformers
    ``PretrainedConfig``; a multimodal config's ``text_config`` is used when the top level has
@@ -18,160 +9,25 @@ Design note (``from_hf_config``; derivation in ``docs/cost.md``):
    DeepSeek MLA), the MLP of a dense layer, or router + top-k routed + shared experts of an MoE
    layer (which layers are MoE follows the config's own keys), plus the LM head once.
 3. forward = 2·weights·L + attention·L², attention = Σ_layers 2·heads·(d_qk + d_v) per
-   query/key pair, L²/2 pairs when causal; forward+backward = (1 + backward_factor)·forward.
+   query/key pair, L²/2 pairs when causal.
 
-Guarantees: a plain :class:`FlopsCost` comes back (it serialises like any other); every missing
-or inconsistent key is a :class:`PlanError` naming the key, its aliases and the fix; no constant
-belongs to any one model. Trade-off (measured in ``tests/test_cost.py`` against the weights of
-the transformers meta-device models): counting matmul weights only and ignoring norms, rotary,
-softmax and the causal diagonal (L/2 pairs) moves the linear term by < 0.01 % for Llama-3-8B,
-Qwen3-30B-A3B and DeepSeek-V3, while keeping the model a two-coefficient polynomial the planner
-can sum per sample in O(n).
+Guarantees: every missing or inconsistent key is a :class:`PlanError` naming the key, its
+aliases and the fix; no constant belongs to any one model. Trade-off (measured in
+``tests/test_cost.py`` against the weights of the transformers meta-device models): counting
+matmul weights only and ignoring norms, rotary, softmax and the causal diagonal (L/2 pairs)
+moves the linear term by < 0.01 % for Llama-3-8B, Qwen3-30B-A3B and DeepSeek-V3.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
-import numpy as np
+from .._checks import int_field
+from ..errors import PlanError
 
-from ._checks import float_field, int_field
-from .errors import PlanError
-
-__all__ = ["CostModel", "TokenCost", "FlopsCost", "ForwardFlops", "forward_flops", "cost_from_dict"]
-
-
-@runtime_checkable
-class CostModel(Protocol):
-    """What the planner needs from a cost model."""
-
-    per_micro: float
-
-    def sample_costs(self, seq_lens: np.ndarray) -> np.ndarray:
-        """float64 cost of each sample (same shape as ``seq_lens``), excluding ``per_micro``."""
-        ...
-
-    def to_dict(self) -> dict[str, Any]:
-        ...
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenCost:
-    """Cost = tokens. The right model when step time is dominated by linear layers.
-
-    Attributes:
-        per_micro: fixed cost charged per micro-batch, in tokens-equivalent (default 0).
-    """
-
-    per_micro: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "per_micro", float_field("TokenCost.per_micro", self.per_micro, minimum=0.0))
-
-    @property
-    def linear(self) -> float:
-        return 1.0
-
-    @property
-    def quadratic(self) -> float:
-        return 0.0
-
-    def sample_costs(self, seq_lens: np.ndarray) -> np.ndarray:
-        return np.asarray(seq_lens, dtype=np.float64)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "TokenCost", "per_micro": self.per_micro}
-
-
-@dataclass(frozen=True, kw_only=True)
-class FlopsCost:
-    """Cost = ``linear·L + quadratic·L²`` per sample plus ``per_micro`` per micro-batch.
-
-    Attributes:
-        linear: cost per token (e.g. forward+backward FLOPs of the dense/MoE/LM-head layers).
-        quadratic: cost per squared token of one sample (causal attention score/value FLOPs).
-        per_micro: fixed cost per micro-batch a rank runs (launch, all-gather, sync overhead).
-
-    All three are finite and >= 0, and ``linear + quadratic > 0``. Build one from a model's
-    dimensions with :meth:`from_hf_config`, or fit one to measured step times with
-    :func:`microplan.calibrate`.
-    """
-
-    linear: float
-    quadratic: float = 0.0
-    per_micro: float = 0.0
-
-    def __post_init__(self) -> None:
-        for name in ("linear", "quadratic", "per_micro"):
-            object.__setattr__(self, name, float_field(f"FlopsCost.{name}", getattr(self, name), minimum=0.0))
-        if self.linear == 0.0 and self.quadratic == 0.0:
-            raise PlanError("FlopsCost.linear and FlopsCost.quadratic are both 0: every sample would "
-                            "cost nothing and balancing is meaningless; give at least one a positive value.")
-
-    def sample_costs(self, seq_lens: np.ndarray) -> np.ndarray:
-        L = np.asarray(seq_lens, dtype=np.float64)
-        return self.linear * L + self.quadratic * (L * L)
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"type": "FlopsCost", "linear": self.linear, "quadratic": self.quadratic,
-                "per_micro": self.per_micro}
-
-    @property
-    def crossover_len(self) -> float:
-        """The L at which a sample's attention cost equals its linear cost (``linear/quadratic``).
-
-        ``inf`` when ``quadratic`` is 0. Below it a sample's cost grows ~linearly with L, above it
-        ~quadratically: the point where balancing by tokens alone starts to mislead.
-        """
-        return float("inf") if self.quadratic == 0.0 else self.linear / self.quadratic
-
-    def describe(self) -> str:
-        """One line: the three coefficients and the crossover length, e.g. for logs.
-
-        >>> FlopsCost(linear=6.0, quadratic=0.001, per_micro=100.0).describe()
-        'FlopsCost: linear=6/token, quadratic=0.001/token², per_micro=100/micro; attention = linear at L=6,000'
-        """
-        cross = self.crossover_len
-        where = "never (quadratic=0)" if cross == float("inf") else f"L={cross:,.0f}"
-        return (f"FlopsCost: linear={self.linear:.4g}/token, quadratic={self.quadratic:.4g}/token², "
-                f"per_micro={self.per_micro:.4g}/micro; attention = linear at {where}")
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | object, *, per_micro: float = 0.0,
-                       backward_factor: float = 2.0, causal: bool = True,
-                       gated_mlp: bool | None = None) -> FlopsCost:
-        """Forward+backward FLOPs per sample, ``linear·L + quadratic·L²``, from a model config.
-
-        Args:
-            config: a Hugging Face-style config: a dict (``config.json``) or an object with
-                attributes (``transformers.PretrainedConfig``). Keys and aliases: see
-                :func:`forward_flops` and ``docs/cost.md``.
-            per_micro: fixed cost per micro-batch, in FLOPs-equivalent (default 0).
-            backward_factor: backward FLOPs as a multiple of forward FLOPs; the total is
-                ``(1 + backward_factor)·forward``. 2.0 (default) is the usual "6N" training
-                rule; 0.0 models a forward-only pass (log-prob recomputation, reference model);
-                3.0 adds one recomputed forward (full activation checkpointing).
-            causal: causal attention computes L²/2 query/key pairs (True, default); False
-                counts all L² (bidirectional, or kernels that do not skip masked tiles).
-            gated_mlp: force a gated (SwiGLU/GeGLU: 3 matrices) or plain (2 matrices) MLP;
-                None infers it from ``model_type``/``hidden_act`` (rule in :func:`forward_flops`).
-
-        Returns:
-            A plain :class:`FlopsCost` in FLOPs (serialises through ``to_dict``). Tied
-            embeddings change parameter count, not FLOPs: the LM head is counted once either way
-            and the embedding lookup is free.
-
-        Raises:
-            PlanError: a required key is missing (naming the key and its accepted aliases), a
-                value is not a positive whole number, or the shapes are inconsistent.
-        """
-        bf = float_field("FlopsCost.from_hf_config(backward_factor)", backward_factor, minimum=0.0)
-        f = forward_flops(config, causal=causal, gated_mlp=gated_mlp)
-        scale = 1.0 + bf
-        return cls(linear=scale * f.linear, quadratic=scale * f.quadratic, per_micro=per_micro)
-
+__all__ = ["ForwardFlops", "forward_flops"]
 
 # --------------------------------------------------------------------------------------------
 # Model FLOPs from a Hugging Face-style config
@@ -427,14 +283,3 @@ def forward_flops(config: Mapping[str, Any] | object, *, causal: bool = True,
                         mlp_params=mlp, router_params=router, lm_head_params=hidden * vocab,
                         attention_flops=layers * 2.0 * heads * (d_qk + d_v) * pairs,
                         gated_mlp=gated, causal=causal)
-
-
-def cost_from_dict(d: dict[str, Any]) -> TokenCost | FlopsCost:
-    """Inverse of ``to_dict`` for the built-in cost models."""
-    kind = d.get("type")
-    fields = {k: v for k, v in d.items() if k != "type"}
-    if kind == "TokenCost":
-        return TokenCost(**fields)
-    if kind == "FlopsCost":
-        return FlopsCost(**fields)
-    raise PlanError(f"unknown cost model type {kind!r}; expected 'TokenCost' or 'FlopsCost'.")

@@ -14,9 +14,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .batch import Batch
-from .config import Steps
-from .errors import PlanError
+from ..batch import Batch
+from ..config import Steps
+from ..errors import PlanError
 
 __all__ = ["StepSplit", "split_steps"]
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .config import Loss
+from ..config import Loss
 
 __all__ = ["loss_coefficients", "loss_scales"]
 

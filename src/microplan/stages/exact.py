@@ -1,0 +1,115 @@
+"""Feasibility fallbacks for the packer: does a packing into exactly m non-empty bins exist?
+
+Design note. The LPT packer balances cost and can fail to fit the token cap where a packing
+exists (``Batch([2,3,8,2,4,3])``, cap 11: LPT needs 3 bins, {8,3} {4,3,2,2} uses 2). Before the
+planner adds a micro-batch per rank it asks, in order:
+
+1. :func:`first_fit_decreasing` — tokens descending, each sample to the first bin with room,
+   then every empty bin takes the last sample of the fullest multi-sample bin. O(n·m) numpy.
+2. :func:`exact_pack` — for small steps (n <= ``EXACT_MAX_SAMPLES``), a depth-first search over
+   assignments, tokens descending, with symmetry breaking (bins of equal load tried once, at most
+   one new bin per level) and the pruning "samples left >= bins still empty". Bounded by
+   ``node_limit`` nodes; returns None when the limit is hit (the caller then grows K).
+
+Guarantees: a returned packing has every bin non-empty and within the cap; ``exact_pack``
+returning None without hitting the limit proves no such packing exists. The refine pass then
+balances cost without breaking the cap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+__all__ = ["first_fit_decreasing", "exact_pack", "EXACT_MAX_SAMPLES"]
+
+EXACT_MAX_SAMPLES = 24
+
+
+def first_fit_decreasing(lens: np.ndarray, m: int, cap: int) -> np.ndarray | None:
+    """Bin of each sample in exactly ``m`` non-empty bins under ``cap``, or None."""
+    n = lens.size
+    if n < m:
+        return None
+    order = np.argsort(-lens, kind="stable")
+    load = np.zeros(m, dtype=np.int64)
+    count = np.zeros(m, dtype=np.int64)
+    bin_of = np.empty(n, dtype=np.int64)
+    for i in order.tolist():
+        room = np.flatnonzero(load + lens[i] <= cap)
+        if not room.size:
+            return None
+        b = int(room[0])
+        bin_of[i] = b
+        load[b] += lens[i]
+        count[b] += 1
+    for b in np.flatnonzero(count == 0).tolist():  # give each empty bin one sample
+        donors = np.flatnonzero(count >= 2)
+        if not donors.size:
+            return None
+        d = int(donors[np.argmax(load[donors])])
+        members = np.flatnonzero(bin_of == d)
+        s = int(members[np.argmin(lens[members])])
+        bin_of[s] = b
+        load[d] -= lens[s]
+        load[b] += lens[s]
+        count[d] -= 1
+        count[b] += 1
+    return bin_of
+
+
+def exact_pack(lens: np.ndarray, m: int, cap: int, *, node_limit: int = 200_000) -> np.ndarray | None:
+    """An assignment of every sample to exactly ``m`` non-empty bins under ``cap``, or None.
+
+    Exhaustive (see the module note) for ``len(lens) <= EXACT_MAX_SAMPLES``; None for larger
+    inputs, when none exists, or when ``node_limit`` nodes were explored without an answer.
+    """
+    n = lens.size
+    if n < m or n > EXACT_MAX_SAMPLES or (n and int(lens.max()) > cap) or int(lens.sum()) > m * cap:
+        return None
+    order = np.argsort(-lens, kind="stable")
+    L = [int(x) for x in lens[order]]
+    load = [0] * m
+    assign = [0] * n
+    nodes = 0
+
+    def dfs(i: int, used: int) -> bool:
+        nonlocal nodes
+        nodes += 1
+        if nodes > node_limit:
+            raise _Budget
+        if i == n:
+            return used == m
+        if n - i < m - used:
+            return False
+        seen: set[int] = set()
+        for b in range(used):
+            lb = load[b]
+            if lb in seen or lb + L[i] > cap:
+                continue
+            seen.add(lb)
+            load[b] += L[i]
+            assign[i] = b
+            if dfs(i + 1, used):
+                return True
+            load[b] -= L[i]
+        if used < m:
+            load[used] = L[i]
+            assign[i] = used
+            if dfs(i + 1, used + 1):
+                return True
+            load[used] = 0
+        return False
+
+    try:
+        found = dfs(0, 0)
+    except _Budget:
+        return None
+    if not found:
+        return None
+    out = np.empty(n, dtype=np.int64)
+    out[order] = assign
+    return out
+
+
+class _Budget(Exception):
+    """The node limit was reached."""
