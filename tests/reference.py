@@ -476,7 +476,7 @@ def gen_case(seed: int, n: int, structure: str, lengths: str, loss_kind: str, ca
             kwargs["rollout_ids"] = rids
             rc = first_appearance_codes(rids)
     if loss_kind == "default":
-        lt = lens.copy()
+        lt = lens - 1  # DESIGN: a causal LM predicts seq_len - 1 tokens of a sample with no prompt
     elif loss_kind == "prompt_lens":
         plens = rng.integers(0, lens + 1)
         kwargs["prompt_lens"] = plens

@@ -69,10 +69,32 @@ def test_pack_refuses_bad_input(bad, match):
 
 
 def test_default_mask_covering_first_token_is_refused():
-    toks, batch = _data([3], None)  # no prompt: loss_tokens == seq_len
+    toks, _ = _data([3], None)
+    batch = mp.Batch([3], loss_tokens=[3])  # an explicit loss on the first token: never predicted
     micro = mp.plan(batch, mp.PlanConfig(dp_size=1, micro_batch_size=1)).steps[0].micros[0][0]
     with pytest.raises(PlanError, match="prompt_lens"):
         pack_micro(micro, toks)
+
+
+def test_defaults_walk_end_to_end():
+    """Batch(lens) -> plan -> pack_micro with no other argument: every token but each sample's first
+    carries loss, and the weights make Σ w·ℓ the token-mean of those tokens exactly."""
+    lens = [50, 7, 1, 23]
+    toks, _ = _data(lens, None, seed=3)
+    batch = mp.Batch(lens)
+    assert batch.loss_tokens.tolist() == [49, 6, 0, 22]
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=64))
+    plan.validate()
+    losses = {i: torch.rand(n, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+              for i, n in enumerate(lens)}
+    total = torch.zeros((), dtype=torch.float64)
+    for r in range(2):
+        for micro in plan.steps[0].micros[r]:
+            p = pack_micro(micro, toks)
+            total = total + weighted_loss(pack_values(p, losses), p)
+    want = sum(losses[i][1:].sum() for i in range(4)) / sum(n - 1 for n in lens)
+    # W = dp_size = 2 ranks are averaged by the engine: the per-rank sum is 2 × J
+    assert torch.allclose(total / 2, want, rtol=1e-12, atol=0)
 
 
 def test_pack_refuses_non_micro():

@@ -76,8 +76,12 @@ class Batch:
     Args:
         seq_lens: tokens each sample occupies when packed (prompt + response); ints >= 1.
         loss_tokens: tokens of each sample that carry loss (the response-mask sum),
-            ``0 <= loss_tokens <= seq_lens``. Default: ``seq_lens - prompt_lens`` when
-            ``prompt_lens`` is given, else ``seq_lens``.
+            ``0 <= loss_tokens <= seq_lens``. Default: the tokens a causal LM can predict —
+            ``seq_lens - prompt_lens`` when ``prompt_lens`` is given, else ``seq_lens - 1`` (the
+            first token of a sample is never predicted), which is what
+            ``microplan.torch.pack_micro``'s default mask (the last ``loss_tokens`` positions)
+            accepts. With ``prompt_lens`` 0 the first token would carry loss and ``pack_micro``
+            refuses it: give such samples ``prompt_lens >= 1``.
         prompt_lens: prompt tokens per sample, ``0 <= prompt_lens <= seq_lens`` (optional).
         prompt_ids: one id (int or str) per sample; samples sharing it come from one prompt
             (a GRPO group). Default: each rollout is its own prompt.
@@ -110,7 +114,7 @@ class Batch:
                 raise PlanError(f"prompt_lens[{i}]={plens[i]} exceeds seq_lens[{i}]={lens[i]}; seq_lens counts "
                                 "prompt + response tokens, so lower prompt_lens or fix seq_lens.")
         if loss_tokens is None:
-            lt = lens - plens if plens is not None else lens.copy()
+            lt = lens - plens if plens is not None else lens - 1  # a causal LM never predicts token 0
             lt.setflags(write=False)
         else:
             lt = _ints("loss_tokens", loss_tokens, minimum=0)
