@@ -54,13 +54,12 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
     fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg)
     kept = samples[fit.kept]
     D, K = cfg.dp_size, fit.micro_count
-    micro_cost = bin_costs(cfg.cost, np.bincount(fit.bin_of, weights=costs[kept], minlength=D * K),  # type: ignore[arg-type]
-                           np.bincount(fit.bin_of, weights=batch.seq_lens[kept], minlength=D * K))
-    grid = arrange(micro_cost, D, K)
+    bin_of, lens_k, costs_k = fit.bin_of, batch.seq_lens[kept], costs[kept]
+    grid = arrange(_micro_costs(cfg, bin_of, lens_k, costs_k, D * K), D, K)
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    bins = binned_micros(kept, fit.bin_of, D * K, scale, batch)
+    bins = binned_micros(kept, bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
     trusted = Micro._trusted
     micros = [[trusted(*bins[b], cp, 0, (r,)) for b in grid[r].tolist()] for r in range(D)]
@@ -68,3 +67,9 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")
     return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
+
+
+def _micro_costs(cfg: PlanConfig, bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, nb: int) -> np.ndarray:
+    """Predicted cost of each of the ``nb`` micro-batches (placeholders: per_micro only)."""
+    return bin_costs(cfg.cost, np.bincount(bin_of, weights=costs, minlength=nb),  # type: ignore[arg-type]
+                     np.bincount(bin_of, weights=lens, minlength=nb))

@@ -23,7 +23,7 @@ from .cost.models import bin_costs
 from .stages.kchoice import best_lower_bound
 from .types import PlanStats, Step, StepStats
 
-__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid"]
+__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
 
 
 def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
@@ -51,7 +51,7 @@ def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
     return step_cost_grid(plan.batch, plan.config, plan.steps[step_index])  # type: ignore[attr-defined]
 
 
-def _k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
+def k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
     if cfg.micro_batch_size is not None:
         return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)))
     assert cfg.max_tokens_per_micro is not None
@@ -65,7 +65,7 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def _step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
+def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
     """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP)."""
     cost = cfg.cost
     assert cost is not None
@@ -73,7 +73,8 @@ def _step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int)
         return 0.0
     lens = batch.seq_lens[idx]
     return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,
-                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost)
+                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
+                            cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
 
 
 def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray) -> PlanStats:
@@ -90,8 +91,8 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        k_lb = _k_lower_bound(cfg, n, tokens)
-        lb = _step_lower_bound(batch, cfg, idx, k_lb)
+        k_lb = k_lower_bound(cfg, n, tokens)
+        lb = step_lower_bound(batch, cfg, idx, k_lb)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         per_step.append(StepStats(
