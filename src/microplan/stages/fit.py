@@ -132,7 +132,11 @@ def _bound(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int) -> floa
 
 
 def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int) -> _Packing:
-    """Walk K from argmin LB(K) while the packed plan's predicted time improves (packed-row costs)."""
+    """Search K around argmin LB(K) and K_lb by the packed plans' predicted times (packed-row costs).
+
+    A pattern search over aligned K: from the better of K_lb and argmin LB(K), try ±step, double the
+    step after every improvement, halve it when neither side improves; at most MAX_EVALS packings.
+    """
     D, a, cap = cfg.dp_size, cfg.align, effective_cap(cfg)
     cp = cfg.static_cp_size
     Ks = np.arange(K0, k_hi + 1, a)
@@ -151,17 +155,16 @@ def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi:
     evaluate(K0)  # the fewest micro-batches: best when the packed term is small
     if start != K0:
         evaluate(start)
-    centre = min(done, key=lambda k: (done[k][0], k))
-    best_t = done[centre][0]
-    for direction in (+a, -a):
-        K = centre + direction
-        while K0 <= K <= k_hi and K not in done and len(done) < MAX_EVALS:
-            t = evaluate(K)
-            cur = min(v[0] for v in done.values())
-            if t > cur * (1 + 1e-12) and np.isfinite(cur):
+    best = min(done, key=lambda k: (done[k][0], k))
+    step = a
+    while len(done) < MAX_EVALS and step >= a:  # pattern search: double the step while it improves
+        moved = False
+        for K in (best + step, best - step):
+            if K0 <= K <= k_hi and K not in done and len(done) < MAX_EVALS and evaluate(K) < done[best][0]:
+                best, moved = K, True
                 break
-            K += direction
-        best_t = min(v[0] for v in done.values())
+        step = 2 * step if moved else (step // 2) // a * a
+    best_t = done[best][0]
     if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
         return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order])
     K = min(k for k in done if done[k][0] == best_t)

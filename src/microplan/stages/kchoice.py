@@ -11,9 +11,9 @@ GPUs and B <= min(dp·K, n) micro-batches the step time under either sync mode i
 - Additive costs (g ≡ 0): LB is non-decreasing in K, so the fewest micro-batches that fit the
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows only when packing fails.
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K). The search
-  starts at argmin LB(K) over the aligned K without placeholders, packs it, and walks K up
-  and down (by ``align``) while the *packed* plan's predicted time improves (at most
-  ``MAX_EVALS`` packings). Every K tried is reported with its predicted time in
+  packs K_lb and argmin LB(K) over the aligned K without placeholders, then runs a pattern
+  search on the *packed* plans' predicted times (±step, doubled after an improvement, halved
+  otherwise; at most ``MAX_EVALS`` packings). Every K tried is reported with its predicted time in
   :class:`KChoice`, so ``Plan.stats`` can say why K was chosen.
 
 Guarantees: the chosen K is one of the evaluated candidates with the lowest predicted time
@@ -31,7 +31,7 @@ from .assign import arrange
 
 __all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS"]
 
-MAX_EVALS = 8  # packings tried per step when the cost has a packed-row term
+MAX_EVALS = 12  # packings tried per step when the cost has a packed-row term
 
 
 def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarray, costs: np.ndarray,
