@@ -198,6 +198,10 @@ class PlanConfig:
         loss: a :class:`Loss` (default ``Loss("token-mean")``).
         context_parallel: a :class:`ContextParallel`, or None for none.
         seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+        share_prefixes: pack each micro-batch as the prefix tree of its samples (the Batch's
+            ``prefix_parent``/``shared_prefix_lens``), every shared token once: the cap counts
+            unique tokens and ``Micro.num_tokens`` is what the GPU holds. Needs dynamic batching
+            and no context parallel (for now).
     """
 
     dp_size: int
@@ -211,6 +215,7 @@ class PlanConfig:
     loss: Loss | None = None
     context_parallel: ContextParallel | None = None
     seed: int = 0
+    share_prefixes: bool = False
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -265,6 +270,14 @@ class PlanConfig:
                                 f"of ContextParallel.max_size={cp.max_size} so power-of-two CP groups tile it; got "
                                 f"dp_size={self.dp_size}.")
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
+        if not isinstance(self.share_prefixes, bool):
+            raise PlanError(f"PlanConfig.share_prefixes={self.share_prefixes!r} must be True or False.")
+        if self.share_prefixes and self.max_tokens_per_micro is None:
+            raise PlanError("PlanConfig.share_prefixes=True needs dynamic batching (a micro-batch holds a prefix tree "
+                            "of unique tokens, not a sample count): set max_tokens_per_micro, not micro_batch_size.")
+        if self.share_prefixes and self.context_parallel is not None:
+            raise PlanError("PlanConfig.share_prefixes=True with context_parallel is not supported yet: a prefix tree "
+                            "is not split over a CP group. Drop context_parallel, or plan without sharing.")
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -292,6 +305,7 @@ class PlanConfig:
             "loss": self.loss.to_dict(),  # type: ignore[union-attr]
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
             "seed": self.seed,
+            **({"share_prefixes": True} if self.share_prefixes else {}),
         }
 
     @classmethod
@@ -302,4 +316,4 @@ class PlanConfig:
                    align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
-                   seed=d["seed"])
+                   seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)))

@@ -20,6 +20,7 @@ from .stages.assign import arrange
 from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
 from .stages.micros import binned_micros
+from .stages.share import plan_shared_step
 from .stages.steps import split_steps
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step
@@ -34,7 +35,7 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
     if not isinstance(config, PlanConfig):
         raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
     dynamic_cp = config.context_parallel is not None and config.context_parallel.dynamic
-    step_planner = plan_dynamic_cp_step if dynamic_cp else _plan_step
+    step_planner = plan_shared_step if config.share_prefixes else plan_dynamic_cp_step if dynamic_cp else _plan_step
     split = split_steps(batch, config.steps)
     assert config.cost is not None
     costs = config.cost.sample_costs(batch.seq_lens)

@@ -20,7 +20,9 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .cost.models import bin_costs
+from .prefix import PrefixTree, micro_tree
 from .stages.kchoice import best_lower_bound
+from .stages.share import forest_of
 from .types import PlanStats, Step, StepStats
 
 __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
@@ -38,6 +40,11 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
     lens = batch.seq_lens[idx]
     additive = np.bincount(owner, weights=cost.sample_costs(lens), minlength=len(flat))
     tokens = np.bincount(owner, weights=lens, minlength=len(flat)).astype(np.float64)
+    for k, m in enumerate(flat):  # prefix-shared micro-batches: unique tokens, attention by depth
+        if m.tree is not None:
+            tokens[k] = m.tree.num_tokens
+            additive[k] = float(cost.tree_costs(np.array([m.tree.num_tokens]),  # type: ignore[attr-defined]
+                                                np.array([m.tree.depth_sq]))[0])
     empty = sizes == 0  # placeholders: one dummy token
     additive[empty] = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
     tokens[empty] = 1.0
@@ -66,15 +73,32 @@ def _max_cp(cfg: PlanConfig) -> int:
 
 
 def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
-    """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP)."""
+    """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
+
+    With shared prefixes the work any plan does at least once is the step's prefix trie: its
+    segments stand in for the samples, and the costliest micro-batch is at least one sample alone.
+    """
     cost = cfg.cost
     assert cost is not None
     if not idx.size:
         return 0.0
     lens = batch.seq_lens[idx]
+    if cfg.share_prefixes:
+        tree = step_tree(batch, idx)
+        seg = (tree.end - tree.start).astype(np.float64)
+        seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
+        single = float((bin_costs(cost, cost.sample_costs(lens), lens) - cost.per_micro).max())  # a sample alone
+        return best_lower_bound(seg_cost, seg.astype(np.int64), k_lb, bins_per_k=cfg.dp_size,
+                                gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
     return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+def step_tree(batch: Batch, idx: np.ndarray) -> PrefixTree:
+    """The prefix trie of a whole step: every token any plan of the step must compute once."""
+    parent, shared = forest_of(batch)
+    return micro_tree(parent, shared, batch.seq_lens, idx)
 
 
 def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray) -> PlanStats:
@@ -91,7 +115,9 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        k_lb = k_lower_bound(cfg, n, tokens)
+        unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes and n else tokens
+        held = sum(m.num_tokens for row in step.micros for m in row if not m.is_placeholder and m.cp_rank == 0)
+        k_lb = k_lower_bound(cfg, n, unique)
         lb = step_lower_bound(batch, cfg, idx, k_lb)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
@@ -99,7 +125,8 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
             num_placeholders=step.num_placeholders, max_micro_tokens=step_max,
             lockstep_time=float(grid.max(axis=0).sum()), step_sync_time=float(grid.sum(axis=1).max()),
-            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice))
+            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice,
+            tokens_with_sharing=held, tokens_lower_bound=unique))
     lock = sum(p.lockstep_time for p in per_step)
     sync = sum(p.step_sync_time for p in per_step)
     mean = float(rank_total.mean()) if rank_total.size else 0.0
@@ -110,4 +137,7 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         micro_count_lower_bound=sum(p.micro_count_lower_bound for p in per_step),
         predicted_time=lock if cfg.sync == "micro" else sync, lockstep_time=lock, step_sync_time=sync,
         time_lower_bound=sum(p.time_lower_bound for p in per_step),
-        rank_imbalance=float(rank_total.max()) / mean if mean > 0 else 1.0, steps=tuple(per_step))
+        rank_imbalance=float(rank_total.max()) / mean if mean > 0 else 1.0, steps=tuple(per_step),
+        tokens_without_sharing=sum(p.num_tokens for p in per_step),
+        tokens_with_sharing=sum(p.tokens_with_sharing for p in per_step),
+        tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step))

@@ -8,9 +8,12 @@ scales. Arrays are int64/float64, read-only, and aligned with ``indices``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .prefix import PrefixTree
 
 __all__ = ["Micro", "Step", "StepStats", "PlanStats", "KChoice"]
 
@@ -35,6 +38,8 @@ class Micro:
         cp_rank: this rank's position in its CP group (0 .. cp_size-1; 0 without dynamic CP).
         cp_group: the plan ranks that share this micro-batch under dynamic CP, in CP-rank order;
             ``(rank,)`` otherwise.
+        tree: with ``PlanConfig(share_prefixes=True)``, the prefix trie of the samples (each
+            shared token once; see :class:`microplan.prefix.PrefixTree`); None otherwise.
     """
 
     indices: np.ndarray
@@ -44,6 +49,7 @@ class Micro:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: tuple[int, ...] = field(default=())
+    tree: PrefixTree | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "indices", _ro(self.indices, np.int64))
@@ -54,11 +60,12 @@ class Micro:
 
     @classmethod
     def _trusted(cls, indices: np.ndarray, seq_lens: np.ndarray, loss_tokens: np.ndarray,
-                 loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...]) -> Micro:
+                 loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...],
+                 tree: PrefixTree | None = None) -> Micro:
         """Internal fast path: arrays are already read-only int64/float64 views; no copies."""
         self = object.__new__(cls)
         self.__dict__.update(indices=indices, seq_lens=seq_lens, loss_tokens=loss_tokens, loss_scale=loss_scale,
-                             cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group)  # frozen: bypass __setattr__
+                             cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, tree=tree)  # frozen: bypass __setattr__
         return self
 
     @property
@@ -68,8 +75,9 @@ class Micro:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the micro-batch (all CP ranks together)."""
-        return int(self.seq_lens.sum())
+        """Tokens the GPU(s) hold for this micro-batch (all CP ranks together): Σ seq_lens, or the
+        unique tokens of its prefix trie when prefixes are shared."""
+        return self.tree.num_tokens if self.tree is not None else int(self.seq_lens.sum())
 
     @property
     def num_samples(self) -> int:
@@ -86,7 +94,8 @@ class Micro:
         return (np.array_equal(self.indices, other.indices) and np.array_equal(self.seq_lens, other.seq_lens)
                 and np.array_equal(self.loss_tokens, other.loss_tokens)
                 and np.array_equal(self.loss_scale, other.loss_scale)
-                and (self.cp_size, self.cp_rank, self.cp_group) == (other.cp_size, other.cp_rank, other.cp_group))
+                and (self.cp_size, self.cp_rank, self.cp_group) == (other.cp_size, other.cp_rank, other.cp_group)
+                and self.tree == other.tree)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -94,7 +103,8 @@ class Micro:
         if self.is_placeholder:
             return "Micro(placeholder)"
         cp = f", cp_size={self.cp_size}, cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
-        return f"Micro(samples={self.num_samples}, tokens={self.num_tokens}{cp})"
+        shared = f" of {int(self.seq_lens.sum())} unshared" if self.tree is not None else ""
+        return f"Micro(samples={self.num_samples}, tokens={self.num_tokens}{shared}{cp})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"indices": self.indices.tolist(), "loss_scale": self.loss_scale.tolist(),
@@ -192,6 +202,8 @@ class StepStats:
     time_lower_bound: float
     rank_costs: tuple[float, ...]
     choice: KChoice | None = None
+    tokens_with_sharing: int = 0
+    tokens_lower_bound: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +221,11 @@ class PlanStats:
         time_lower_bound: Σ_steps max(Σ cost / dp + K_lb · per_micro, max sample cost + per_micro).
         rank_imbalance: max / mean of the ranks' total cost over the plan (1.0 = perfect).
         steps: per-step :class:`StepStats`.
+        tokens_without_sharing: Σ seq_lens of the planned samples (each sample packed alone).
+        tokens_with_sharing: tokens the micro-batches hold (unique tokens of their prefix tries
+            under ``share_prefixes``; equal to the above otherwise).
+        tokens_lower_bound: the fewest tokens any plan computes: each step's whole prefix trie
+            once (Σ seq_lens without ``share_prefixes``).
     """
 
     num_steps: int
@@ -225,6 +242,9 @@ class PlanStats:
     time_lower_bound: float
     rank_imbalance: float
     steps: tuple[StepStats, ...] = ()
+    tokens_without_sharing: int = 0
+    tokens_with_sharing: int = 0
+    tokens_lower_bound: int = 0
 
     @property
     def time_ratio(self) -> float:

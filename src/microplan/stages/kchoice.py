@@ -63,7 +63,8 @@ def packed_slope(cost: CostModel, T: float) -> float:
 
 
 def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bins_per_k: int, gpus: int,
-                      max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False) -> np.ndarray:
+                      max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False,
+                      single: float | None = None) -> np.ndarray:
     """LB(K) of the module note for each K in ``Ks`` (same order).
 
     With ``lockstep`` and a ``cap`` (no CP) the slot bound below is added: the slot that runs the
@@ -71,6 +72,11 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
     costliest (dp − 1)·cap tokens (a fractional knapsack by cost per token over the other
     samples, plus their per-micro and packed-row terms), so
     lockstep >= M·(1 − 1/dp) + (total work − that absorbable work) / dp.
+
+    ``single``: the items are not samples but pieces of work any plan does at least once (the
+    segments of a step's prefix trie, which micro-batches may duplicate): then ``single`` is the
+    costliest micro-batch any plan must run (one whole sample, per_micro excluded), the sum bound
+    uses only Jensen, and the slot bound is off.
     """
     Ks = np.asarray(Ks, dtype=np.int64)
     n = lens.size
@@ -85,10 +91,12 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
     if not is_additive(cost):
         g = cost.packed_costs  # type: ignore[attr-defined]
         each = g(lf)
-        body = body + np.maximum(B * g(N / B), float(each.sum()))  # Jensen, and T_b >= L_i in every bin
+        jensen = B * g(N / B)
+        body = body + (jensen if single is not None else np.maximum(jensen, float(each.sum())))  # T_b >= L_i
         one = costs + each
-    lb = np.maximum(body / gpus + Ks * pm, float(one.max()) / max_width + pm)
-    if lockstep and cap is not None and max_width == 1 and bins_per_k > 1 and n > 1:
+    top_one = float(one.max()) if single is None else single
+    lb = np.maximum(body / gpus + Ks * pm, top_one / max_width + pm)
+    if lockstep and single is None and cap is not None and max_width == 1 and bins_per_k > 1 and n > 1:
         D = bins_per_k
         top = int(np.argmax(one))
         M = float(one[top]) + pm
@@ -110,7 +118,8 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
 
 
 def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per_k: int, gpus: int,
-                     max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False) -> float:
+                     max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False,
+                     single: float | None = None) -> float:
     """min over K >= K_lb of LB(K): a lower bound on the step time of any plan the config allows."""
     n = lens.size
     if n == 0:
@@ -121,4 +130,4 @@ def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per
         top = max(K_lb, -(-n // max(bins_per_k, 1)))  # beyond one sample per micro-batch LB only grows
         Ks = np.arange(K_lb, top + 1)
     return float(time_lower_bounds(costs, lens, Ks, bins_per_k=bins_per_k, gpus=gpus, max_width=max_width,
-                                   cost=cost, cap=cap, lockstep=lockstep).min())
+                                   cost=cost, cap=cap, lockstep=lockstep, single=single).min())
