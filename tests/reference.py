@@ -97,9 +97,28 @@ def check_num_steps(plan: mp.Plan, pc: np.ndarray, k: int, fit_dropped_ok: bool)
 # ---------------------------------------------------------------------------------------------
 
 
+def trie_size(token_ids: list[np.ndarray], idx: list[int]) -> int:
+    """Distinct prefixes among the samples ``idx``: the tokens their prefix trie holds, counted from
+    the token ids themselves (a nested-dict trie), independently of microplan.prefix."""
+    root: dict = {}
+    nodes = 0
+    for i in idx:
+        node = root
+        for tok in token_ids[i].tolist():
+            nxt = node.get(tok)
+            if nxt is None:
+                nxt = node[tok] = {}
+                nodes += 1
+            node = nxt
+    return nodes
+
+
 def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc: np.ndarray, rc: np.ndarray,
-               cfg: mp.PlanConfig) -> dict[str, Any]:
-    """Assert invariants 1–5 of DESIGN.md on ``plan``; return per-sample step and micro info."""
+               cfg: mp.PlanConfig, token_ids: list[np.ndarray] | None = None) -> dict[str, Any]:
+    """Assert invariants 1–5 of DESIGN.md on ``plan``; return per-sample step and micro info.
+
+    With ``cfg.share_prefixes`` the tokens a micro-batch holds are its samples' trie, counted from
+    ``token_ids`` (required then): the cap applies to that count."""
     n = seq_lens.size
     dp, align = cfg.dp_size, cfg.align
     cp = cfg.context_parallel
@@ -145,6 +164,11 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                     if loss_tokens[i] == 0:
                         assert micro.loss_scale[j] == 0.0
                 tokens = sum(int(seq_lens[i]) for i in idx)
+                if getattr(cfg, "share_prefixes", False):
+                    assert token_ids is not None, "check_plan needs token_ids for a prefix-sharing plan"
+                    shared = trie_size(token_ids, idx)
+                    assert shared <= tokens
+                    tokens = shared
                 assert micro.num_tokens == tokens
                 if cfg.max_tokens_per_micro is not None:  # invariant 3 (per GPU of the CP group)
                     assert tokens <= micro.cp_size * cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap"

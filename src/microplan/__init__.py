@@ -18,6 +18,7 @@ from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterRepor
 from .errors import PlanError
 from .plan import Plan
 from .planner import plan
+from .prefix import PrefixTree, find_shared_prefixes
 from .types import KChoice, Micro, PlanStats, Step, StepStats
 
 __version__ = "0.1.0"
@@ -26,5 +27,5 @@ __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
-    "MeterReport", "__version__",
+    "MeterReport", "find_shared_prefixes", "PrefixTree", "__version__",
 ]

@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "tree_roots", "dfs_order"]
+__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "tree_roots", "dfs_order", "sample_forest"]
 
 
 @dataclass(frozen=True)
@@ -121,22 +121,27 @@ def tree_roots(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
     return root
 
 
-def dfs_order(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> np.ndarray:
-    """``samples`` in depth-first pre-order of the forest (children by sample index), so every
-    subtree is contiguous and samples sharing long prefixes sit together."""
-    key = {int(i): k for k, i in enumerate(np.sort(samples).tolist())}
+def sample_forest(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> tuple[list[int], dict[int, list[int]]]:
+    """(roots, children) of ``samples`` under their nearest ancestor in the set (through a positive
+    shared prefix), children in sample order."""
+    members = set(np.asarray(samples, dtype=np.int64).tolist())
     children: dict[int, list[int]] = {}
     roots: list[int] = []
-    members = set(key)
     for i in sorted(members):
-        a = int(parent[i])
-        # attach to the nearest ancestor that is in the set (through a positive shared prefix)
-        while a >= 0 and a not in members and shared[i] > 0:
+        a = int(parent[i]) if shared[i] > 0 else -1
+        while a >= 0 and a not in members:
             a = int(parent[a]) if shared[a] > 0 else -1
-        if a >= 0 and shared[i] > 0:
+        if a >= 0:
             children.setdefault(a, []).append(i)
         else:
             roots.append(i)
+    return roots, children
+
+
+def dfs_order(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> np.ndarray:
+    """``samples`` in depth-first pre-order of the forest (children by sample index), so every
+    subtree is contiguous and samples sharing long prefixes sit together."""
+    roots, children = sample_forest(parent, shared, samples)
     out: list[int] = []
     stack = roots[::-1]
     while stack:

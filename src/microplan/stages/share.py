@@ -30,7 +30,7 @@ from ..batch import Batch
 from ..config import PlanConfig
 from ..cost.models import bin_costs
 from ..errors import PlanError
-from ..prefix import dfs_order, micro_tree, tree_roots
+from ..prefix import dfs_order, micro_tree, sample_forest
 from ..types import Micro, Step
 from .assign import arrange
 from .fit import effective_cap, fit_step
@@ -81,28 +81,70 @@ class _Part:
         self.tokens += du
         self.depth_sq += dd
 
+    def detach(self) -> _Part:
+        """Move the contents to a new part (returned) and leave this one empty."""
+        done = _Part()
+        done.members, done.need, done.tokens, done.depth_sq = self.members, self.need, self.tokens, self.depth_sq
+        self.members, self.need, self.tokens, self.depth_sq = [], {}, 0, 0
+        return done
+
 
 def _atoms(samples: np.ndarray, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray,
            cap: int) -> list[_Part]:
-    """Trees that fit the cap whole, larger ones cut in depth-first order into parts that fit."""
-    root = tree_roots(parent, shared)[samples]
-    order = dfs_order(parent, shared, samples)
-    pos = {int(i): k for k, i in enumerate(samples.tolist())}
-    groups: dict[int, list[int]] = {}
-    for i in order.tolist():
-        groups.setdefault(int(root[pos[i]]), []).append(i)
+    """Trees that fit the cap whole; a larger one is cut into parts that fit, subtree by subtree
+    (a branch that fits in the current part's room joins it, one that fits a fresh part starts
+    one, a larger one is split at its own branches), so parts break where branches diverge."""
+    roots, children = sample_forest(parent, shared, samples)
     atoms: list[_Part] = []
-    for members in groups.values():
+    for r in roots:
         part = _Part()
-        for i in members:
-            du, dd, up = part.gain(i, parent, shared, lens)
+        stack = [r]
+        while stack:  # depth-first, iteratively (trajectories can be long chains)
+            i = stack.pop()
+            if _place_subtree(i, children, part, atoms, parent, shared, lens, cap):
+                continue
+            du, dd, up = part.gain(i, parent, shared, lens)  # too large: place i, then its branches
             if part.members and part.tokens + du > cap:
-                atoms.append(part)
-                part = _Part()
+                atoms.append(part.detach())
                 du, dd, up = part.gain(i, parent, shared, lens)
             part.add(i, du, dd, up)
+            stack.extend(children.get(i, [])[::-1])
         atoms.append(part)
-    return atoms
+    return [a for a in atoms if a.members]
+
+
+def _subtree(i: int, children: dict[int, list[int]]) -> list[int]:
+    out, stack = [], [i]
+    while stack:
+        a = stack.pop()
+        out.append(a)
+        stack.extend(children.get(a, [])[::-1])
+    return out
+
+
+def _trial(part: _Part, block: list[int], parent, shared, lens) -> int:
+    """Tokens ``part`` would hold with ``block`` added (the part is left unchanged)."""
+    need = dict(part.need)
+    tokens = part.tokens
+    probe = _Part()
+    probe.need, probe.tokens = need, tokens
+    for i in block:
+        du, dd, up = probe.gain(i, parent, shared, lens)
+        probe.add(i, du, dd, up)
+    return probe.tokens
+
+
+def _place_subtree(i: int, children: dict[int, list[int]], part: _Part, atoms: list[_Part], parent, shared, lens,
+                   cap: int) -> bool:
+    """Put the whole subtree of sample i into ``part``, or into a fresh part; False if it fits neither."""
+    block = _subtree(i, children)
+    if not (_trial(part, block, parent, shared, lens) <= cap):
+        if not part.members or _trial(_Part(), block, parent, shared, lens) > cap:
+            return False
+        atoms.append(part.detach())
+    for j in block:
+        part.add(j, *part.gain(j, parent, shared, lens))
+    return True
 
 
 def _components(atoms: list[_Part], rollouts: np.ndarray, pos: dict[int, int]) -> np.ndarray:
