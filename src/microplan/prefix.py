@@ -44,15 +44,20 @@ class PrefixTree:
 
     Attributes:
         owners: int64 global sample ids owning a segment (parents before children).
-        parent: int64 index into ``owners`` of the owner whose sequence the segment continues,
-            -1 for a root segment (start 0).
+        parent: int64 index into ``owners`` of the segment holding position ``start - 1`` of this
+            segment's path (where it branches off), -1 for a root segment (start 0).
         start, end: int64 the segment's positions [start, end) in its owner's sequence.
+        members: int64 the micro-batch's samples, sorted.
+        anchor: int64 index into ``owners`` of the segment holding each member's LAST token (a
+            member entirely inside another's prefix owns no segment of its own).
     """
 
     owners: np.ndarray
     parent: np.ndarray
     start: np.ndarray
     end: np.ndarray
+    members: np.ndarray
+    anchor: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -67,7 +72,18 @@ class PrefixTree:
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PrefixTree):
             return NotImplemented
-        return all(np.array_equal(getattr(self, f), getattr(other, f)) for f in ("owners", "parent", "start", "end"))
+        return all(np.array_equal(getattr(self, f), getattr(other, f))
+                   for f in ("owners", "parent", "start", "end", "members", "anchor"))
+
+    def path_rows(self, offsets: np.ndarray, k: int, last: int) -> np.ndarray:
+        """Row indices (in a row laying segments out at ``offsets``) of positions 0..last of the
+        path through segment k, in position order."""
+        parts = []
+        while k >= 0:
+            a = int(self.start[k])
+            parts.append(np.arange(offsets[k], offsets[k] + last - a + 1, dtype=np.int64))
+            last, k = a - 1, int(self.parent[k])
+        return np.concatenate(parts[::-1]) if parts else np.zeros(0, dtype=np.int64)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -107,8 +123,15 @@ def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members
         par.append(pos[q] if q >= 0 else -1)
         start.append(s)
         end.append(need[a])
+    mem = sorted(set(np.asarray(members, dtype=np.int64).tolist()))
+    anchor = []
+    for i in mem:  # the segment holding the member's last token
+        q, t = i, int(lens[i]) - 1
+        while t < start_of(q):
+            q = int(parent[q])
+        anchor.append(pos[q])
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return PrefixTree(i64(owners), i64(par), i64(start), i64(end))
+    return PrefixTree(i64(owners), i64(par), i64(start), i64(end), i64(mem), i64(anchor))
 
 
 def tree_roots(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
