@@ -192,6 +192,8 @@ class StepStats:
     time_lower_bound: float
     rank_costs: tuple[float, ...]
     choice: KChoice | None = None
+    pipeline_time: float = 0.0
+    pipeline_bubble: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -209,6 +211,12 @@ class PlanStats:
         time_lower_bound: Σ_steps max(Σ cost / dp + K_lb · per_micro, max sample cost + per_micro).
         rank_imbalance: max / mean of the ranks' total cost over the plan (1.0 = perfect).
         steps: per-step :class:`StepStats`.
+        pipeline_time: Σ over steps of the predicted wall time under the pipeline schedule
+            (1F1B, or interleaved 1F1B with ``virtual_stages`` > 1; forward-only for a forward
+            plan): each of the p stages runs 1/p of every micro-batch's cost. Equals
+            ``predicted_time`` when ``pipeline_stages`` = 1.
+        pipeline_bubble: the idle share of that time on a stage,
+            1 − predicted_time / (p · pipeline_time) (0 without pipeline parallelism).
     """
 
     num_steps: int
@@ -225,6 +233,8 @@ class PlanStats:
     time_lower_bound: float
     rank_imbalance: float
     steps: tuple[StepStats, ...] = ()
+    pipeline_time: float = 0.0
+    pipeline_bubble: float = 0.0
 
     @property
     def time_ratio(self) -> float:
