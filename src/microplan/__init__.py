@@ -16,6 +16,8 @@ from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
 from .errors import PlanError
+from .forward import plan_forward
+from .memory import logits_bytes, logits_token_cap
 from .plan import Plan
 from .planner import plan
 from .types import KChoice, Micro, PlanStats, Step, StepStats
@@ -26,5 +28,5 @@ __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
-    "MeterReport", "__version__",
+    "MeterReport", "plan_forward", "logits_token_cap", "logits_bytes", "__version__",
 ]
