@@ -21,10 +21,8 @@ Run: ``python -m benchmarks.bench_logits [--quick]``. Prints the table and write
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing as mproc
 import re
-import socket
 import sys
 import time
 from pathlib import Path
@@ -32,7 +30,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._results import save_json  # noqa: E402
+from benchmarks._results import record  # noqa: E402
 
 V, H = 32000, 256
 MiB = 2 ** 20
@@ -100,12 +98,7 @@ def main(argv: list[str] | None = None) -> dict:
         recipe = "full logits" if r["chunk"] is None else f"chunks of {r['chunk']}"
         print(f"{r['T']:6d} {'fwd+bwd' if r['backward'] else 'fwd':>8s} {recipe:>14s} {r['peak_bytes'] / MiB:9.1f} "
               f"{r['predicted_bytes'] / MiB:14.1f} {r['peak_bytes'] / r['predicted_bytes']:9.2f} {r['seconds']:6.2f}")
-    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick, V=V, H=H,
-                  rows=rows)
-    if not args.no_write:
-        stem = save_json("logits", result)
-        print(f"\nwrote {stem}.json")
-    return result
+    return record("logits", write=not args.no_write, quick=args.quick, V=V, H=H, rows=rows)
 
 
 if __name__ == "__main__":

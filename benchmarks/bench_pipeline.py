@@ -21,8 +21,6 @@ Run: ``python -m benchmarks.bench_pipeline [--quick]``. Prints the table and wri
 from __future__ import annotations
 
 import argparse
-import datetime
-import socket
 import sys
 from pathlib import Path
 
@@ -35,7 +33,7 @@ import microplan as mp  # noqa: E402
 from microplan.stages.pipeline import step_pipeline_time, verl_order  # noqa: E402
 from microplan.stats import step_cost_grid  # noqa: E402
 
-from benchmarks._results import save_json  # noqa: E402
+from benchmarks._results import record  # noqa: E402
 from benchmarks.bench_planners import FAMILIES, SPG, make_step  # noqa: E402
 from benchmarks.metrics import cost_grid, dense_7b_cost  # noqa: E402
 from benchmarks.peers import plan_verl  # noqa: E402
@@ -117,12 +115,8 @@ def main(argv: list[str] | None = None) -> dict:
     worst = min(min(r[n] for n in ORDERS) for r in rows)
     print(f"\nmicroplan's order is never slower than {', '.join(ORDERS)}: min ratio {worst:.6f} "
           f"(target >= {TARGET}) over {len(rows)} cases")
-    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                  cost=cost.to_dict(), dp=list(dps), seeds=list(seeds), scales=SCALES, target=TARGET, summary=summary, rows=rows)
-    if not args.no_write:
-        stem = save_json("pipeline", result)
-        print(f"\nwrote {stem}.json")
-    return result
+    return record("pipeline", write=not args.no_write, quick=args.quick, cost=cost.to_dict(), dp=list(dps),
+                  seeds=list(seeds), scales=SCALES, target=TARGET, summary=summary, rows=rows)
 
 
 if __name__ == "__main__":
