@@ -100,15 +100,21 @@ def test_makespan_matches_the_reference(costs, p, v, extra_group, beta):
     f = np.array(costs)
     b = beta * f
     group = p + extra_group
-    if v > 1 and group > f.size:  # Megatron needs p <= group <= K under interleaving
-        group = max(p, f.size)
-        if group > f.size:
-            return
+    if v > 1 and (group > f.size or 0 < f.size % group < p):  # Megatron's rules: refused (see below)
+        with pytest.raises(mp.PlanError, match="Megatron needs p <= group <= K"):
+            makespan(f, b, p, v=v, group=group)
+        return
     note(f"p={p} v={v} group={group}")
     got = makespan(f, b, p, v=v, group=group)
     want = reference_makespan(f.tolist(), b.tolist(), p, v, group) if beta > 0 else \
         reference_forward_only(f, p, v, group)
     assert got == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("K,p,group", [(10, 8, 8), (3, 4, 4), (8, 4, 2), (9, 4, 6)])
+def test_interleaved_geometry_megatron_refuses(K, p, group):
+    with pytest.raises(mp.PlanError, match=rf"K={K} micro-batches in groups of {group} over p={p}"):
+        makespan(np.ones(K), 2 * np.ones(K), p, v=2, group=group)
 
 
 def reference_forward_only(f: np.ndarray, p: int, v: int, group: int) -> float:
@@ -147,8 +153,8 @@ def test_verl_order_and_skewed_pyramid_shapes():
 @given(st.lists(st.floats(0.05, 20.0), min_size=2, max_size=14), st.sampled_from([2, 4, 8]), st.integers(1, 2))
 def test_order_is_never_worse_than_the_usual_orders(costs, p, v):
     c = np.array(costs)
-    group = max(p, 1)
-    if v > 1 and c.size < group:
+    group = p
+    if v > 1 and (c.size < group or 0 < c.size % group < p):  # Megatron refuses these (see below)
         return
     best = pipeline_time(c[pipeline_order(c, p, v=v, group=group)], p, v=v, group=group).time
     desc = np.argsort(-c, kind="stable")
