@@ -9,6 +9,11 @@ dense decoder (metrics.dense_7b_cost). Planning time is one wall-clock run per c
 bench_speed.py for medians of repeats). A peer that would crash upstream counts as a crash and
 is left out of the other columns.
 
+Forward rows (``*-forward``): the forward-only log-prob pass of the same step, planned at a
+forward cap of 2, 3 or 4× the family's cap (cycled by seed) and scored with the forward-only cost
+(metrics.dense_7b_forward_cost): ``microplan-forward`` is ``plan_forward`` and ``verl-forward``
+verl's log-prob split (the same ``rearrange_micro_batches`` at ``log_prob_max_token_len_per_gpu``).
+
 Run: ``python -m benchmarks.bench_planners [--quick]``. Prints the table and writes
 ``benchmarks/results/planners-<date>-<host>.{json,png}``.
 """
@@ -32,8 +37,8 @@ import microplan as mp  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
-from benchmarks.metrics import dense_7b_cost, from_microplan, step_metrics  # noqa: E402
-from benchmarks.peers import PEERS, PeerCrash  # noqa: E402
+from benchmarks.metrics import dense_7b_cost, dense_7b_forward_cost, from_microplan, step_metrics  # noqa: E402
+from benchmarks.peers import PEERS, PeerCrash, plan_verl  # noqa: E402
 
 
 #: family -> (max_len, per-GPU token cap, samples per prompt / rollouts per prompt)
@@ -44,7 +49,9 @@ FAMILIES: dict[str, tuple[int, int, int]] = {
     "long-context": (32768, 49152, 8),
 }
 SPG = (16, 32, 64)  # samples per GPU per step, cycled by seed
-TARGETS = {"over_cap": 0, "lockstep_med": 1.005, "lockstep_worst": 1.01, "step_sync": 1.002}
+FORWARD_CAP_MULT = (2, 3, 4)  # forward cap = this × the family's (training) cap, cycled by seed
+TARGETS = {"over_cap": 0, "lockstep_med": 1.005, "lockstep_worst": 1.01, "step_sync": 1.002,
+           "forward_lockstep_med": 1.005, "forward_k_at_lb": 1.0}
 
 Runner = Callable[[mp.Batch, int, int, object], tuple[list[list[np.ndarray]], float]]
 
@@ -69,11 +76,21 @@ def _peer(fn) -> Runner:
     return run
 
 
+def _microplan_forward(batch, dp, cap, cost):
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost)
+    t = time.perf_counter()
+    p = mp.plan_forward(batch, cfg)
+    return from_microplan(p), time.perf_counter() - t
+
+
 PLANNERS: dict[str, tuple[Runner, str]] = {
     "microplan": (_microplan("micro"), f"microplan {mp.__version__} sync='micro'"),
     "microplan-step": (_microplan("step"), f"microplan {mp.__version__} sync='step'"),
     **{name: (_peer(fn), label) for name, (fn, label) in PEERS.items()},
+    "microplan-forward": (_microplan_forward, f"microplan {mp.__version__} plan_forward (forward cap)"),
+    "verl-forward": (_peer(plan_verl), "verl (2026-08) log-prob pass: rearrange_micro_batches at the forward cap"),
 }
+FORWARD = {"microplan-forward", "verl-forward"}  # planned at the forward cap, scored with the forward cost
 
 
 # -- cases --------------------------------------------------------------------------------------
@@ -94,21 +111,25 @@ def make_step(family: str, dp: int, spg: int, seed: int, max_len: int | None = N
                     rollout_ids=b.rollout_ids[:cut])
 
 
-def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list[dict]:
-    """Plan and score one step with every planner; one row per planner."""
-    _, cap, _ = FAMILIES[family]
+def run_case(family: str, dp: int, seed: int, cost, planners: list[str], forward_cost=None) -> list[dict]:
+    """Plan and score one step with every planner; one row per planner (forward planners at the
+    forward cap, scored with ``forward_cost``)."""
+    _, train_cap, _ = FAMILIES[family]
     spg = SPG[seed % len(SPG)]
     batch = make_step(family, dp, spg, seed)
     rows = []
     for name in planners:
+        fwd = name in FORWARD
+        cap = train_cap * FORWARD_CAP_MULT[seed % len(FORWARD_CAP_MULT)] if fwd else train_cap
+        cost_ = (forward_cost or dense_7b_forward_cost()) if fwd else cost
         row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=batch.num_samples,
-                   tokens=int(np.sum(batch.seq_lens)), cap=cap)
+                   tokens=int(np.sum(batch.seq_lens)), cap=cap, passes="forward" if fwd else "train")
         try:
-            plan, dt = PLANNERS[name][0](batch, dp, cap, cost)
+            plan, dt = PLANNERS[name][0](batch, dp, cap, cost_)
         except PeerCrash as e:
             rows.append({**row, "crash": str(e)})
             continue
-        m = step_metrics(plan, np.asarray(batch.seq_lens), dp=dp, cap=cap, cost=cost)
+        m = step_metrics(plan, np.asarray(batch.seq_lens), dp=dp, cap=cap, cost=cost_)
         rows.append({**row, "crash": None, "ms": dt * 1e3, **m.to_dict()})
     return rows
 
@@ -215,14 +236,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     dps, seeds = ((8, 32), range(3)) if args.quick else ((8, 32, 128), range(6))
-    cost = dense_7b_cost()
+    cost, fcost = dense_7b_cost(), dense_7b_forward_cost()
     print(f"cost model: FlopsCost(linear={cost.linear:.3g}, quadratic={cost.quadratic:.6g}, "
           f"per_micro={cost.per_micro:.3g})  [~7B dense: 6·7e9 FLOPs/token, 6·32·4096 per L², 256 tokens/micro]")
+    print(f"forward rows: cap × {'/'.join(map(str, FORWARD_CAP_MULT))} (by seed), forward-only cost "
+          f"FlopsCost(linear={fcost.linear:.3g}, quadratic={fcost.quadratic:.6g}, per_micro={fcost.per_micro:.3g})")
     rows = []
     for fam in args.families:
         for dp in dps:
             for seed in seeds:
-                rows.extend(run_case(fam, dp, seed, cost, args.planners))
+                rows.extend(run_case(fam, dp, seed, cost, args.planners, fcost))
     summary = summarise(rows)
     print("cells: median/worst over dp x seed cases; equal, K=Klb: share of cases")
     print(format_table(summary))
@@ -230,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nmicroplan by family x dp:")
     print(format_table(summarise(mp_rows, ("family", "dp", "planner")), ("family", "dp", "planner")))
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                  cost=cost.to_dict(),
+                  cost=cost.to_dict(), forward_cost=fcost.to_dict(), forward_cap_mult=FORWARD_CAP_MULT,
                   families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
                   spg=SPG, dp=list(dps), seeds=list(seeds), targets=TARGETS,
                   labels={k: v[1] for k, v in PLANNERS.items()}, summary=summary, rows=rows)

@@ -24,6 +24,7 @@ The benchmark cost model (:func:`dense_7b_cost`) is a ~7B dense decoder (Llama-2
 linear = 6·7e9 FLOPs/token (forward + backward of the weights), quadratic = 6·32·4096 FLOPs per
 L² (causal attention scores and values, forward + backward, 32 layers × hidden 4096),
 per_micro = 256 tokens' worth of linear FLOPs (launch/gather overhead of one micro-batch).
+:func:`dense_7b_forward_cost` is its forward-only pass (2·7e9, 2·32·4096, 256 tokens' worth).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import numpy as np
 
 from microplan import FlopsCost
 
-__all__ = ["StepMetrics", "step_metrics", "cost_grid", "dense_7b_cost", "from_microplan"]
+__all__ = ["StepMetrics", "step_metrics", "cost_grid", "dense_7b_cost", "dense_7b_forward_cost", "from_microplan"]
 
 PeerPlan = list[list[np.ndarray]]
 
@@ -43,6 +44,12 @@ def dense_7b_cost() -> FlopsCost:
     """The benchmark's cost model: ~7B dense decoder, 32 layers, hidden 4096 (see module note)."""
     linear = 6 * 7e9
     return FlopsCost(linear=linear, quadratic=6 * 32 * 4096, per_micro=256 * linear)
+
+
+def dense_7b_forward_cost() -> FlopsCost:
+    """The same decoder's forward-only pass (log-probs): a third of the FLOPs, 256 tokens' overhead."""
+    linear = 2 * 7e9
+    return FlopsCost(linear=linear, quadratic=2 * 32 * 4096, per_micro=256 * linear)
 
 
 @dataclass(frozen=True)

@@ -140,3 +140,36 @@ def test_bench_case_summary_and_table():
     assert mp_row["over_cap"] == 0 and mp_row["equal_counts"] and mp_row["samples"] >= 8 * 16
     text = bench_planners.format_table(bench_planners.summarise(rows))
     assert "microplan" in text and "lockstep/LB" in text
+
+
+def test_bench_forward_rows_use_the_forward_cap_and_cost():
+    from benchmarks.metrics import dense_7b_forward_cost
+    rows = bench_planners.run_case("grpo-longtail", 8, 1, dense_7b_cost(), ["microplan", "microplan-forward",
+                                                                           "verl-forward"])
+    by = {r["planner"]: r for r in rows}
+    train_cap = bench_planners.FAMILIES["grpo-longtail"][1]
+    mult = bench_planners.FORWARD_CAP_MULT[1 % len(bench_planners.FORWARD_CAP_MULT)]
+    assert by["microplan"]["cap"] == train_cap and by["microplan"]["passes"] == "train"
+    for name in ("microplan-forward", "verl-forward"):
+        assert by[name]["cap"] == mult * train_cap and by[name]["passes"] == "forward" and by[name]["crash"] is None
+    fwd = by["microplan-forward"]
+    assert fwd["equal_counts"] and fwd["over_cap"] == 0 and fwd["lost"] == 0 and fwd["K"] == fwd["K_lb"]
+    assert fwd["K"] < by["microplan"]["K"]
+    assert dense_7b_forward_cost().linear * 3 == dense_7b_cost().linear
+
+
+def test_bench_pipeline_case():
+    from benchmarks import bench_pipeline
+    row = bench_pipeline.run_case("bimodal", 8, 0, 4, 1, dense_7b_cost())
+    assert row["K"] >= 4 and 0 < row["bubble"] < 1
+    for name in bench_pipeline.ORDERS:  # never slower than the usual orders of the same micro-batches
+        assert row[name] >= 1 - 1e-12
+    text = bench_pipeline.format_table(bench_pipeline.summarise([row]))
+    assert "verl" in text and "bimodal" in text
+
+
+def test_verl_min_num_micro_batch():
+    lens = A([100, 90, 80, 70])
+    assert len(plan_verl(lens, dp=2, cap=1000)[0]) == 1
+    plan = plan_verl(lens, dp=2, cap=1000, min_num_micro_batch=2)
+    assert [len(row) for row in plan] == [2, 2]

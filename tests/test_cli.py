@@ -237,3 +237,50 @@ def test_plan_with_hf_config_and_packed_kernel(tmp_path: Path, trace: Path, caps
     assert "drop --linear" in capsys.readouterr().err
     assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "16384", "--cost", "flops",
                  "--packed-quadratic", "1e-4", "--per-micro", "100"]) == 0
+# -- forward passes and pipelines ------------------------------------------------------------------
+
+def test_forward_and_like(tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture) -> None:
+    train_js, fwd_js, like_js = tmp_path / "train.json", tmp_path / "fwd.json", tmp_path / "like.json"
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "8192", "--num-steps", "2",
+                 "--pipeline-stages", "2", "--json", str(train_js)]) == 0
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "24576", "--forward", "--num-steps", "2",
+                 "--cost", "flops", "--linear", "2", "--json", str(fwd_js)]) == 0
+    assert main(["plan", str(trace), "--dp", "4", "--like", str(train_js), "--json", str(like_js)]) == 0
+    out = capsys.readouterr().out
+    assert out.count("forward plan (loss scale 0)") == 2 and "PP 2" in out and "bubble" in out
+    batch, train = read_batch(trace), read_plan(train_js)
+    assert train.config.pipeline_stages == 2 and all(s.micro_count >= 2 for s in train.steps)
+    fwd = read_plan(fwd_js)
+    assert fwd == mp.plan_forward(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=24576,
+                                                       cost=mp.FlopsCost(linear=2.0)))
+    assert len(fwd.steps) == 1 and fwd.kind == "forward"  # --num-steps is ignored by a forward pass
+    assert read_plan(like_js) == mp.plan_forward(batch, train.config, like=train)
+    assert main(["validate", str(like_js)]) == 0
+
+
+def test_like_refusals(tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture) -> None:
+    train_js = tmp_path / "train.json"
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "8192", "--json", str(train_js)]) == 0
+    capsys.readouterr()
+    assert main(["plan", str(trace), "--dp", "2", "--like", str(train_js)]) == 2
+    assert "--dp 2 differs from dp_size=4" in capsys.readouterr().err
+    other = tmp_path / "other.jsonl"
+    assert main(["trace", "bimodal", str(other), "--num-prompts", "8"]) == 0
+    assert main(["plan", str(other), "--dp", "4", "--like", str(train_js)]) == 2
+    err = capsys.readouterr().err
+    assert "made from another batch" in err and str(train_js) in err
+    assert main(["plan", str(trace), "--dp", "4"]) == 2
+    assert "--max-tokens --micro-batch-size is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,pattern", [
+    (["--pipeline-stages", "0"], "must be >= 1"),
+    (["--pipeline-stages", "4", "--virtual-stages", "2", "--align", "2"], "align=2"),
+    (["--virtual-stages", "2"], "needs pipeline parallelism"),
+    (["--max-tokens", "100", "--forward"], "more than the forward cap"),
+])
+def test_pipeline_and_forward_option_errors(trace: Path, capsys: pytest.CaptureFixture, argv, pattern) -> None:
+    base = ["plan", str(trace), "--dp", "2"] + ([] if "--max-tokens" in argv else ["--max-tokens", "8192"])
+    assert main(base + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("microplan: error:") and pattern in err and err.count("\n") == 1

@@ -9,7 +9,8 @@ Re-implemented from PEERS.md, not from upstream source:
    are not kept together.
 3. Micro-batches per rank (``rearrange_micro_batches``): ``k_r = min(n_r, ceil(tokens_r / cap))``
    (pads included), ``k = max_r k_r`` (the all-reduce MAX over the DP group, simulated), rounded
-   up to a multiple of the virtual-pipeline group (``align``), then KK with ``equal_size=False``
+   up to a multiple of the virtual-pipeline group (``align``) and raised to ``min_num_micro_batch``
+   (verl's knob for pipeline parallelism; None: no minimum), then KK with ``equal_size=False``
    into k parts on workload. No per-micro cap check, so a micro-batch can exceed the cap; a rank
    with fewer samples than k gets empty micro-batches.
 4. Order: micro-batches sorted by workload descending, then the even positions reversed followed
@@ -64,7 +65,8 @@ def rearrange_micro_batches(part: list[int], work: list[int], k: int, n: int) ->
     return [[i for i in m if i < n] for m in micros]
 
 
-def plan_verl(seq_lens: np.ndarray, *, dp: int, cap: int, align: int = 1, cost=None) -> PeerPlan:
+def plan_verl(seq_lens: np.ndarray, *, dp: int, cap: int, align: int = 1, cost=None,
+              min_num_micro_batch: int | None = None) -> PeerPlan:
     """One step laid out the verl way (see module docstring). ``cost`` is ignored (hard-coded).
 
     Runs every rank's micro-batching in turn; upstream each worker runs its own in parallel
@@ -72,6 +74,8 @@ def plan_verl(seq_lens: np.ndarray, *, dp: int, cap: int, align: int = 1, cost=N
     """
     parts, lens, work = balance_batch(seq_lens, dp)
     k = max(micro_count(p, lens, cap) for p in parts)  # all_reduce(MAX) over the DP group
+    if min_num_micro_batch is not None:
+        k = max(k, min_num_micro_batch)                # pipeline parallelism: at least this many
     if align > 1:
         k = ceil_div(k, align) * align                  # virtual-pipeline group
     return to_plan([rearrange_micro_batches(p, work, k, len(seq_lens)) for p in parts])

@@ -16,6 +16,8 @@ from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
 from .errors import PlanError
+from .forward import plan_forward
+from .memory import logits_bytes, logits_token_cap
 from .plan import Plan
 from .planner import plan
 from .prefix import PrefixTree, find_shared_prefixes
@@ -27,5 +29,6 @@ __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
-    "MeterReport", "find_shared_prefixes", "PrefixTree", "__version__",
+    "MeterReport", "find_shared_prefixes", "PrefixTree", "plan_forward", "logits_token_cap", "logits_bytes",
+    "__version__",
 ]

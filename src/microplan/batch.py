@@ -12,6 +12,8 @@ Cost: O(n) numpy work plus an O(n) dict pass for non-integer ids.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -212,6 +214,11 @@ class Batch:
                 "prefix_parent": self.prefix_parent.tolist(),
                 "shared_prefix_lens": self.shared_prefix_lens.tolist()}),  # type: ignore[union-attr]
         }
+
+    def fingerprint(self) -> str:
+        """SHA-256 hex digest of the canonical JSON of :meth:`to_dict`: equal batches, equal digests."""
+        text = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+        return hashlib.sha256(text.encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Batch:

@@ -8,6 +8,8 @@ never a traceback; ``main(argv)`` returns the exit code, so tests call it in-pro
 
     microplan demo [--family F] [--dp 8] [--max-tokens 16384] [--png microplan_demo.png]
     microplan plan FILE --dp N (--max-tokens T | --micro-batch-size B) [...]
+    microplan plan FILE --dp N --max-tokens T --forward          (a forward-only pass, loss scale 0)
+    microplan plan FILE --dp N --like PLAN.json                  (forward pass in PLAN.json's layout)
     microplan validate PLAN.json
     microplan trace FAMILY OUT.jsonl [--num-prompts P] [--samples-per-prompt G] [--max-len L]
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import numpy as np
@@ -25,6 +28,7 @@ from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import FlopsCost, TokenCost
 from .errors import PlanError
+from .forward import plan_forward
 from .plan import Plan
 from .planner import plan as make_plan
 from .traces import FAMILIES, generate
@@ -64,8 +68,10 @@ def _config_line(cfg: PlanConfig) -> str:
     cp = cfg.context_parallel
     cpd = "" if cp is None else (f" · CP {cp.size}" if cp.size else f" · dynamic CP ≤ {cp.max_size}")
     align = f" · align {cfg.align}" if cfg.align > 1 else ""
+    pp = (f" · PP {cfg.pipeline_stages}" + (f"×{cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else "")
+          if cfg.pipeline_stages > 1 else "")
     assert cfg.cost is not None and cfg.loss is not None
-    return (f"dp={cfg.dp_size} · {cap}{cpd}{align} · sync={cfg.sync} · short_step={cfg.short_step} · "
+    return (f"dp={cfg.dp_size} · {cap}{cpd}{align}{pp} · sync={cfg.sync} · short_step={cfg.short_step} · "
             f"cost {type(cfg.cost).__name__} · loss {cfg.loss.mode}")
 
 
@@ -116,8 +122,9 @@ def format_summary(plan: Plan) -> str:
         f"{st.max_micro_tokens:,} (static micro_batch_size {cfg.micro_batch_size})"
     per_step = " ".join(f"{s.micro_count}/{s.micro_count_lower_bound}" for s in st.steps[:16])
     per_step += " ..." if len(st.steps) > 16 else ""
+    kind = "forward plan (loss scale 0)" if plan.kind == "forward" else "plan"
     lines = [
-        f"plan: {st.num_steps} step{'s' if st.num_steps != 1 else ''} · {_config_line(cfg)}",
+        f"{kind}: {st.num_steps} step{'s' if st.num_steps != 1 else ''} · {_config_line(cfg)}",
         f"  micro-batches per rank : {st.micro_count} over all steps vs lower bound {st.micro_count_lower_bound}"
         + (f" (per step K/lower bound: {per_step})" if st.steps else ""),
         f"  max tokens per GPU     : {mx}",
@@ -125,6 +132,7 @@ def format_summary(plan: Plan) -> str:
         f"  predicted time         : lockstep {human(st.lockstep_time, 4)} = {ratio(st.lockstep_time)} · "
         f"step-sync {human(st.step_sync_time, 4)} = {ratio(st.step_sync_time)} · lower bound {human(lb, 4)} "
         f"{cost_units(cfg)} (sync={cfg.sync}: {used} applies)",
+        *_pipeline_lines(plan),
         f"  placeholders           : {st.num_placeholders}",
         *_choice_lines(plan),
         f"  dropped                : {st.num_dropped:,} of {st.num_samples:,} samples",
@@ -134,6 +142,18 @@ def format_summary(plan: Plan) -> str:
         lines += _step_table(plan)
     lines.append(f"  fingerprint            : {plan.fingerprint()[:16]}")
     return "\n".join(lines)
+
+
+def _pipeline_lines(plan: Plan) -> list[str]:
+    cfg, st = plan.config, plan.stats
+    if cfg.pipeline_stages <= 1:
+        return []
+    sched = (f"interleaved 1F1B, {cfg.virtual_stages} chunks/stage, groups of {cfg.align}" if cfg.virtual_stages > 1
+             else "1F1B")
+    if plan.kind == "forward":
+        sched = "forward-only " + sched
+    return [f"  pipeline               : {cfg.pipeline_stages} stages, {sched}: step time {human(st.pipeline_time, 4)} "
+            f"{cost_units(cfg)}, bubble {100 * st.pipeline_bubble:.1f} % of a stage's time"]
 
 
 # -- argument types ------------------------------------------------------------------------------
@@ -184,7 +204,7 @@ def _add_output(p: argparse.ArgumentParser, png_default: str | None) -> None:
 
 
 def _add_layout(p: argparse.ArgumentParser) -> None:
-    size = p.add_mutually_exclusive_group(required=True)
+    size = p.add_mutually_exclusive_group()
     size.add_argument("--max-tokens", type=_int(1), metavar="T", help="dynamic batching: most tokens per GPU per micro-batch")
     size.add_argument("--micro-batch-size", type=_int(1), metavar="B", help="static batching: samples per micro-batch")
     steps = p.add_mutually_exclusive_group()
@@ -199,8 +219,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm-constant", type=_float, metavar="H", help="H of seq-mean-token-sum-norm")
     p.add_argument("--grad-reduction", choices=("mean", "sum"), default="mean")
     p.add_argument("--engine-divides-by-micro-count", action="store_true", help="the engine divides each micro loss by K (Megatron)")
-    p.add_argument("--cost", choices=("token", "flops"), default="token",
-                   help="cost model for balancing and predicted times (--hf-config implies flops)")
+    p.add_argument("--cost", choices=("token", "flops"), default=None,
+                   help="cost model for balancing and predicted times (default token; --hf-config implies flops)")
     p.add_argument("--linear", type=_float, metavar="X", help="flops cost: per-token coefficient (default 1)")
     p.add_argument("--quadratic", type=_float, metavar="Y", help="flops cost: per squared-token coefficient (default 0)")
     p.add_argument("--packed-quadratic", type=_float, metavar="Q",
@@ -214,6 +234,14 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
     cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
     p.add_argument("--seed", type=_int(0), default=0, help="seed of tie-breaking")
+    p.add_argument("--pipeline-stages", type=_int(1), default=1, metavar="P",
+                   help="pipeline-parallel stages: K >= P micro-batches per rank, run in 1F1B order")
+    p.add_argument("--virtual-stages", type=_int(1), default=1, metavar="V",
+                   help="model chunks per pipeline stage (interleaved 1F1B; --align is the micro-batch group)")
+    p.add_argument("--forward", action="store_true",
+                   help="plan a forward-only pass (old/reference log-probs): one step, every sample, loss scale 0")
+    p.add_argument("--like", metavar="PLAN.json",
+                   help="plan the forward pass in the layout of this (training) plan, for bit-identical log-probs")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -260,6 +288,10 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
              Steps(rollouts_per_step=args.rollouts_per_step) if args.rollouts_per_step else
              Steps(num_steps=args.num_steps) if args.num_steps else None)
     cost = _cost_from_args(args)
+    if args.max_tokens is None and args.micro_batch_size is None:
+        raise PlanError("one of the arguments --max-tokens --micro-batch-size is required (--max-tokens T: tokens "
+                        "per GPU per micro-batch; --micro-batch-size B: samples), or --like PLAN.json to reuse a "
+                        "plan's layout.")
     if args.loss == "seq-mean-token-sum-norm" and args.norm_constant is None:
         raise PlanError("--loss seq-mean-token-sum-norm needs --norm-constant H (e.g. the max response length).")
     loss = Loss(args.loss, grad_reduction=args.grad_reduction,
@@ -268,7 +300,8 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
           ContextParallel(max_size=args.cp_max_size) if args.cp_max_size else None)
     return PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, micro_batch_size=args.micro_batch_size,
                       steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
-                      loss=loss, context_parallel=cp, seed=args.seed)
+                      loss=loss, context_parallel=cp, seed=args.seed, pipeline_stages=args.pipeline_stages,
+                      virtual_stages=args.virtual_stages)
 
 
 def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
@@ -285,7 +318,7 @@ def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
             raise PlanError(f"cannot read --hf-config {args.hf_config!r}: {exc}") from None
         return FlopsCost.from_hf_config(hf, attention=args.attention, per_micro=args.per_micro)
     per_micro = 0.0 if args.per_micro is None else args.per_micro
-    if args.cost == "token":
+    if args.cost in (None, "token"):
         if any(v is not None for v in coef):
             raise PlanError("--linear/--quadratic/--packed-quadratic set the flops cost model; add --cost flops "
                             "(or drop them).")
@@ -334,10 +367,24 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .io import read_batch
-    cfg = config_from_args(args)
+    from .io import read_batch, read_plan
     batch = read_batch(args.file, format=args.format)
-    plan = make_plan(batch, cfg)
+    if args.like:
+        like = read_plan(args.like)
+        given = (args.cost, args.per_micro, args.hf_config, args.linear, args.quadratic, args.packed_quadratic)
+        cost = like.config.cost if all(v is None for v in given) else _cost_from_args(args)
+        cfg = replace(like.config, cost=cost)
+        if args.dp != cfg.dp_size:
+            raise PlanError(f"--dp {args.dp} differs from dp_size={cfg.dp_size} of {args.like}; the forward pass "
+                            "runs on the plan's ranks: pass --dp " + str(cfg.dp_size) + ".")
+        try:
+            plan = plan_forward(batch, cfg, like=like)
+        except PlanError as exc:
+            raise PlanError(f"{args.like}: {exc}") from None
+    elif args.forward:
+        plan = plan_forward(batch, config_from_args(args))
+    else:
+        plan = make_plan(batch, config_from_args(args))
     print(f"{args.file}: {describe_batch(batch)}")
     print(format_summary(plan))
     _write_outputs(plan, args)

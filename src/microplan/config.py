@@ -30,6 +30,10 @@ _INT_FIX = {
     "PlanConfig.align": "set align to 1, or to Megatron's microbatch_group_size_per_vp_stage under virtual "
                         "pipeline parallelism.",
     "PlanConfig.seed": "pass a non-negative int seed.",
+    "PlanConfig.pipeline_stages": "set pipeline_stages to the pipeline-parallel degree p (1 without pipeline "
+                                  "parallelism), an int >= 1.",
+    "PlanConfig.virtual_stages": "set virtual_stages to the model chunks per pipeline stage (Megatron's "
+                                 "virtual_pipeline_model_parallel_size; 1 without interleaving), an int >= 1.",
 }
 
 
@@ -202,6 +206,13 @@ class PlanConfig:
             ``prefix_parent``/``shared_prefix_lens``), every shared token once: the cap counts
             unique tokens and ``Micro.num_tokens`` is what the GPU holds. Needs dynamic batching
             and no context parallel (for now).
+        pipeline_stages: pipeline-parallel stages p per DP rank (1: none). Every step gets
+            K >= p micro-batches per rank (fewer is mostly bubble), and each rank's micro-batches
+            run in the order of least predicted 1F1B time (docs/passes.md).
+        virtual_stages: model chunks per pipeline stage (Megatron's
+            ``virtual_pipeline_model_parallel_size``); > 1 selects the interleaved 1F1B schedule,
+            whose micro-batch group (``microbatch_group_size_per_vp_stage``) is ``align`` and
+            must be >= ``pipeline_stages``.
     """
 
     dp_size: int
@@ -216,6 +227,8 @@ class PlanConfig:
     context_parallel: ContextParallel | None = None
     seed: int = 0
     share_prefixes: bool = False
+    pipeline_stages: int = 1
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -278,6 +291,22 @@ class PlanConfig:
         if self.share_prefixes and self.context_parallel is not None:
             raise PlanError("PlanConfig.share_prefixes=True with context_parallel is not supported yet: a prefix tree "
                             "is not split over a CP group. Drop context_parallel, or plan without sharing.")
+        self._check_pipeline()
+
+    def _check_pipeline(self) -> None:
+        """pipeline_stages / virtual_stages (Megatron's rules for the interleaved schedule)."""
+        p = int_field("PlanConfig.pipeline_stages", self.pipeline_stages, minimum=1)
+        v = int_field("PlanConfig.virtual_stages", self.virtual_stages, minimum=1)
+        object.__setattr__(self, "pipeline_stages", p)
+        object.__setattr__(self, "virtual_stages", v)
+        if v > 1 and p == 1:
+            raise PlanError(f"PlanConfig.virtual_stages={v} needs pipeline parallelism: set pipeline_stages to the "
+                            "pipeline degree p >= 2, or virtual_stages=1.")
+        if v > 1 and self.align < p:
+            raise PlanError(f"the interleaved pipeline schedule (virtual_stages={v}) runs micro-batches in groups of "
+                            f"align={self.align} (Megatron's microbatch_group_size_per_vp_stage), which must be >= "
+                            f"pipeline_stages={p}; set align to a value >= {p} (Megatron's default is p), or "
+                            "virtual_stages=1.")
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -306,6 +335,7 @@ class PlanConfig:
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
             "seed": self.seed,
             **({"share_prefixes": True} if self.share_prefixes else {}),
+            "pipeline_stages": self.pipeline_stages, "virtual_stages": self.virtual_stages,
         }
 
     @classmethod
@@ -316,4 +346,5 @@ class PlanConfig:
                    align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
-                   seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)))
+                   seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)),
+                   pipeline_stages=d.get("pipeline_stages", 1), virtual_stages=d.get("virtual_stages", 1))

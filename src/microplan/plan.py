@@ -24,11 +24,12 @@ from .stats import compute_stats
 from .types import KChoice, Micro, PlanStats, Step
 from .validate import validate_plan
 
-__all__ = ["Plan", "FORMAT", "VERSION"]
+__all__ = ["Plan", "FORMAT", "VERSION", "PLAN_KINDS"]
 
 FORMAT = "microplan.plan"
 VERSION = 2
 _READS = (1, 2)  # version 1: no per-step K choice
+PLAN_KINDS = ("train", "forward")  # "kind" in the JSON; absent = "train" (plans written before forward plans)
 
 
 class Plan:
@@ -39,10 +40,15 @@ class Plan:
         dropped: int64 sorted global indices of samples that train in no step.
         drop_reasons: ``{sample index: reason}`` for every dropped sample.
         batch, config: the inputs the plan was made from.
+        kind: ``"train"`` (:func:`microplan.plan`: loss scales make the gradient exact) or
+            ``"forward"`` (:func:`microplan.plan_forward`: a forward-only pass, every loss scale 0).
     """
 
     def __init__(self, *, batch: Batch, config: PlanConfig, steps: list[Step],
-                 dropped: np.ndarray, drop_reasons: dict[int, str]) -> None:
+                 dropped: np.ndarray, drop_reasons: dict[int, str], kind: str = "train") -> None:
+        if kind not in PLAN_KINDS:
+            raise PlanError(f"Plan kind={kind!r} must be one of {', '.join(PLAN_KINDS)}.")
+        self.kind = kind
         self.batch = batch
         self.config = config
         self.steps = list(steps)
@@ -62,31 +68,34 @@ class Plan:
     @cached_property
     def stats(self) -> PlanStats:
         """Predicted times, bounds and counts (computed once, on first access)."""
-        return compute_stats(self.batch, self.config, self.steps, self.dropped)
+        return compute_stats(self.batch, self.config, self.steps, self.dropped, forward=self.kind == "forward")
 
     def validate(self) -> None:
         """Re-check every invariant of DESIGN.md; raise PlanError naming the first violation."""
-        validate_plan(self.batch, self.config, self.steps, self.dropped, self.drop_reasons)
+        validate_plan(self.batch, self.config, self.steps, self.dropped, self.drop_reasons,
+                      forward=self.kind == "forward")
 
     # -- equality and serialisation --------------------------------------------------------------
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Plan):
             return NotImplemented
-        return (self.config == other.config and self.batch == other.batch and self.steps == other.steps
+        return (self.kind == other.kind and self.config == other.config and self.batch == other.batch
+                and self.steps == other.steps
                 and np.array_equal(self.dropped, other.dropped) and self.drop_reasons == other.drop_reasons)
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
+        kind = ", kind='forward'" if self.kind == "forward" else ""
         return (f"Plan(steps={len(self.steps)}, dp_size={self.config.dp_size}, samples={self.batch.num_samples}, "
-                f"dropped={self.dropped.size})")
+                f"dropped={self.dropped.size}{kind})")
 
     def to_dict(self) -> dict[str, Any]:
         reasons: dict[str, list[int]] = {}
         for i, why in self.drop_reasons.items():
             reasons.setdefault(why, []).append(i)
         return {
-            "format": FORMAT, "version": VERSION,
+            "format": FORMAT, "version": VERSION, "kind": self.kind,
             "batch": self.batch.to_dict(), "config": self.config.to_dict(),
             "steps": [[[m.to_dict() for m in row] for row in step.micros] for step in self.steps],
             "choices": [None if step.choice is None else step.choice.to_dict() for step in self.steps],
@@ -119,7 +128,8 @@ class Plan:
                 steps.append(Step(s, micros, samples, choice=choice))
             reasons = {int(i): why for why, idx in d["drop_reasons"] for i in idx}
             return cls(batch=batch, config=config, steps=steps,
-                       dropped=np.asarray(d["dropped"], dtype=np.int64), drop_reasons=reasons)
+                       dropped=np.asarray(d["dropped"], dtype=np.int64), drop_reasons=reasons,
+                       kind=d.get("kind", "train"))
         except PlanError:
             raise
         except (KeyError, TypeError, ValueError, IndexError) as exc:

@@ -16,11 +16,13 @@ from .config import PlanConfig
 from .cost.models import bin_costs
 from .errors import PlanError
 from .plan import Plan
+from .stats import step_cost_grid
 from .stages.assign import arrange
 from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
 from .stages.micros import binned_micros
 from .stages.share import plan_shared_step
+from .stages.pipeline import order_step
 from .stages.steps import split_steps
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step
@@ -43,6 +45,8 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
     steps: list[Step] = []
     for samples in split.steps:
         step, dropped, why = step_planner(len(steps), samples, batch, costs, config)
+        if config.pipeline_stages > 1:  # run each rank's micro-batches in the order of least pipeline time
+            step = order_step(step, step_cost_grid(batch, config, step), config)
         reasons.update((int(i), why) for i in dropped)
         steps.append(step)
     return Plan(batch=batch, config=config, steps=steps, dropped=np.array(sorted(reasons), dtype=np.int64),

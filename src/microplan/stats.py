@@ -6,6 +6,8 @@ token work: (micro_cost − per_micro) / c + per_micro. A placeholder runs one d
 (so it never costs more than a real micro-batch). The lower bound of a step is
 min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
 max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro).
+With pipeline parallelism the step's wall time under the 1F1B (or interleaved) schedule is
+``pipeline_time`` (``stages/pipeline.py``); the other times stay whole-model sums.
 
 This module reads a plan's parts (batch, config, steps), never the ``Plan`` class, so
 ``plan.py`` can import it without a cycle.
@@ -23,6 +25,7 @@ from .cost.models import bin_costs
 from .prefix import PrefixTree, micro_tree
 from .stages.kchoice import best_lower_bound
 from .stages.share import forest_of
+from .stages.pipeline import BACKWARD_RATIO, step_pipeline_time
 from .types import PlanStats, Step, StepStats
 
 __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
@@ -59,10 +62,13 @@ def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
 
 
 def k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
+    """ceil(need / dp) micro-batches per rank, and at least the pipeline stages."""
     if cfg.micro_batch_size is not None:
-        return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)))
-    assert cfg.max_tokens_per_micro is not None
-    return max(1, -(-tokens // (cfg.dp_size * cfg.static_cp_size * cfg.max_tokens_per_micro)))
+        need = -(-n // (cfg.dp_size * cfg.micro_batch_size))
+    else:
+        assert cfg.max_tokens_per_micro is not None
+        need = -(-tokens // (cfg.dp_size * cfg.static_cp_size * cfg.max_tokens_per_micro))
+    return max(1, need, cfg.pipeline_stages)
 
 
 def _max_cp(cfg: PlanConfig) -> int:
@@ -101,8 +107,10 @@ def step_tree(batch: Batch, idx: np.ndarray) -> PrefixTree:
     return micro_tree(parent, shared, batch.seq_lens, idx)
 
 
-def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray) -> PlanStats:
-    """The :class:`PlanStats` of a plan given by its parts."""
+def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray, *,
+                  forward: bool = False) -> PlanStats:
+    """The :class:`PlanStats` of a plan given by its parts (``forward``: a forward-only pass, whose
+    pipeline runs no backward)."""
     cfg = config
     cost = cfg.cost
     assert cost is not None
@@ -121,14 +129,19 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         lb = step_lower_bound(batch, cfg, idx, k_lb)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
+        lock_s, sync_s = float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())
+        pipe = step_pipeline_time(grid, cfg, backward_ratio=0.0 if forward else BACKWARD_RATIO) \
+            if cfg.pipeline_stages > 1 else (lock_s if cfg.sync == "micro" else sync_s)
         per_step.append(StepStats(
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
             num_placeholders=step.num_placeholders, max_micro_tokens=step_max,
             lockstep_time=float(grid.max(axis=0).sum()), step_sync_time=float(grid.sum(axis=1).max()),
             time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice,
-            tokens_with_sharing=held, tokens_lower_bound=unique))
+            tokens_with_sharing=held, tokens_lower_bound=unique,
+            pipeline_time=pipe, pipeline_bubble=_bubble(lock_s if cfg.sync == "micro" else sync_s, pipe, cfg)))
     lock = sum(p.lockstep_time for p in per_step)
     sync = sum(p.step_sync_time for p in per_step)
+    pipe_total = sum(p.pipeline_time for p in per_step)
     mean = float(rank_total.mean()) if rank_total.size else 0.0
     return PlanStats(
         num_steps=len(steps), num_samples=batch.num_samples, num_dropped=int(dropped.size),
@@ -140,4 +153,12 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         rank_imbalance=float(rank_total.max()) / mean if mean > 0 else 1.0, steps=tuple(per_step),
         tokens_without_sharing=sum(p.num_tokens for p in per_step),
         tokens_with_sharing=sum(p.tokens_with_sharing for p in per_step),
-        tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step))
+        tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step),
+        pipeline_time=pipe_total, pipeline_bubble=_bubble(lock if cfg.sync == "micro" else sync, pipe_total, cfg))
+
+
+def _bubble(predicted: float, pipeline: float, cfg: PlanConfig) -> float:
+    """Idle share of a pipeline stage: 1 − (predicted / p) / pipeline time."""
+    if cfg.pipeline_stages <= 1 or pipeline <= 0:
+        return 0.0
+    return max(0.0, 1.0 - predicted / (cfg.pipeline_stages * pipeline))

@@ -204,6 +204,8 @@ class StepStats:
     choice: KChoice | None = None
     tokens_with_sharing: int = 0
     tokens_lower_bound: int = 0
+    pipeline_time: float = 0.0
+    pipeline_bubble: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,6 +228,12 @@ class PlanStats:
             under ``share_prefixes``; equal to the above otherwise).
         tokens_lower_bound: the fewest tokens any plan computes: each step's whole prefix trie
             once (Σ seq_lens without ``share_prefixes``).
+        pipeline_time: Σ over steps of the predicted wall time under the pipeline schedule
+            (1F1B, or interleaved 1F1B with ``virtual_stages`` > 1; forward-only for a forward
+            plan): each of the p stages runs 1/p of every micro-batch's cost. Equals
+            ``predicted_time`` when ``pipeline_stages`` = 1.
+        pipeline_bubble: the idle share of that time on a stage,
+            1 − predicted_time / (p · pipeline_time) (0 without pipeline parallelism).
     """
 
     num_steps: int
@@ -245,6 +253,8 @@ class PlanStats:
     tokens_without_sharing: int = 0
     tokens_with_sharing: int = 0
     tokens_lower_bound: int = 0
+    pipeline_time: float = 0.0
+    pipeline_bubble: float = 0.0
 
     @property
     def time_ratio(self) -> float:

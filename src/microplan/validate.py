@@ -5,7 +5,8 @@ shape (dp_size rows, equal K per rank, K a multiple of align), micro-batch conte
 aligned and matching the batch, placeholders empty), the token cap / micro_batch_size, CP
 groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
 exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
-groups, and the loss scales (recomputed from the loss contract). Cost: O(total samples).
+groups, and the loss scales (recomputed from the loss contract; all 0 in a forward plan), and
+K >= pipeline_stages. Cost: O(total samples).
 """
 
 from __future__ import annotations
@@ -77,8 +78,9 @@ def _check_cp_groups(step: Step, s: int) -> None:
 
 
 def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.ndarray,
-                  drop_reasons: Mapping[int, str]) -> None:
-    """Raise PlanError naming the first violated invariant of the plan given by its parts."""
+                  drop_reasons: Mapping[int, str], *, forward: bool = False) -> None:
+    """Raise PlanError naming the first violated invariant of the plan given by its parts
+    (``forward``: a forward plan, whose loss scales are all exactly 0)."""
     owner = np.full(b.num_samples, -1, dtype=np.int64)  # step of each sample
     for s, step in enumerate(steps):
         if step.index != s:
@@ -91,6 +93,8 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
                 _fail(f"step {s}: rank {r} has {len(row)} micro-batches, rank 0 has {K}; counts must be equal")
         if K == 0 or K % cfg.align:
             _fail(f"step {s}: {K} micro-batches per rank is not a positive multiple of align={cfg.align}")
+        if K < cfg.pipeline_stages:
+            _fail(f"step {s}: {K} micro-batches per rank is fewer than pipeline_stages={cfg.pipeline_stages}")
         for r, row in enumerate(step.micros):
             for m, micro in enumerate(row):
                 _check_micro(b, cfg, s, r, m, micro)
@@ -107,7 +111,10 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             _fail(f"step {s}: Step.samples differs from the samples in its micro-batches")
         if not idx.size:
             _fail(f"step {s} trains no sample")
-        _check_scales(b, cfg, step, s)
+        if forward:
+            _check_zero_scales(step, s)
+        else:
+            _check_scales(b, cfg, step, s)
     if dropped.size and (dropped.min() < 0 or dropped.max() >= b.num_samples):
         bad = int(dropped[(dropped < 0) | (dropped >= b.num_samples)][0])
         _fail(f"dropped sample {bad} is out of range 0..{b.num_samples - 1}")
@@ -132,6 +139,13 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             bad = np.flatnonzero((hi >= 0) & (lo != hi))
             if bad.size:
                 _fail(f"{name} {int(bad[0])} spans steps {int(lo[bad[0]])} and {int(hi[bad[0]])}")
+
+
+def _check_zero_scales(step: Step, s: int) -> None:
+    for r, row in enumerate(step.micros):
+        for m, micro in enumerate(row):
+            if micro.loss_scale.any():
+                _fail(f"step {s}, rank {r}, micro {m}: a forward plan carries loss_scale 0 for every sample")
 
 
 def _check_scales(b: Batch, cfg: PlanConfig, step: Step, s: int) -> None:

@@ -41,7 +41,7 @@ from ..cost.models import bin_costs
 from ..errors import PlanError
 from ..types import Micro, Step
 from .assign import arrange
-from .fit import fit_step
+from .fit import fit_step, min_micro_count
 from .micros import binned_micros
 from .pack import lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
@@ -187,10 +187,11 @@ def _arrange(width: np.ndarray, load: np.ndarray, D: int, K: int) -> list[list[t
 
 
 def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
-    """Lower bound on K: GPU-slots for the tokens and for the long samples' groups, aligned."""
-    D, a, cap = cfg.dp_size, cfg.align, cfg.max_tokens_per_micro
+    """Lower bound on K: GPU-slots for the tokens and for the long samples' groups (and the
+    pipeline stages), aligned."""
+    D, cap = cfg.dp_size, cfg.max_tokens_per_micro
     gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
-    return _cdiv(_cdiv(gpu_slots, D), a) * a
+    return int(min_micro_count(_cdiv(gpu_slots, D), cfg))
 
 
 def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,

@@ -2,7 +2,8 @@
 
 Design note. K (micro-batches per rank) is chosen by predicted step time (``kchoice.py``): with
 an additive cost it is the lower bound — ⌈bins_lb / dp⌉ rounded up to ``align``, where
-bins_lb = max(⌈tokens / cap⌉, #samples longer than cap/2) — grown by ``align`` until the
+bins_lb = max(⌈tokens / cap⌉, #samples longer than cap/2), and at least ``pipeline_stages`` (a
+pipeline with fewer micro-batches than stages is mostly bubble) — grown by ``align`` until the
 packer fills all ``dp·K`` micro-batches under the cap; with a packed-row term (dense attention
 over the row) more, smaller micro-batches can be faster and K is searched. Packing at a K is the
 slot-target LPT below, then first-fit decreasing, then (small steps) an exhaustive search, so a
@@ -31,7 +32,7 @@ from .lockstep import refine_lockstep
 from .pack import bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .refine import refine_bins
 
-__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets"]
+__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "min_micro_count"]
 
 FFD_MAX_SAMPLES = 4096  # first-fit-decreasing fallback is O(n·m) numpy: only for steps up to this size
 
@@ -62,6 +63,11 @@ def _round_up(x, a):
     return _cdiv(x, a) * a
 
 
+def min_micro_count(x, cfg: PlanConfig):
+    """The fewest micro-batches per rank allowed for a need of ``x``: >= pipeline_stages, aligned."""
+    return _round_up(np.maximum(x, cfg.pipeline_stages), cfg.align)
+
+
 def effective_cap(cfg: PlanConfig) -> int | None:
     """Tokens one micro-batch may hold: cap × static CP degree (None for static batching)."""
     if cfg.max_tokens_per_micro is None:
@@ -73,12 +79,12 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> _Packing:
     """The packing with the K of lowest predicted time; num_bins < dp·K means placeholders."""
     D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
-        K = _round_up(_cdiv(_cdiv(n, cfg.micro_batch_size), D), a)
+        K = int(min_micro_count(_cdiv(_cdiv(n, cfg.micro_batch_size), D), cfg))
         m = min(n, D * K)
         return _Packing(round_robin_pack(costs, m), m, K, None)
     cap = effective_cap(cfg)
     assert cap is not None and cfg.cost is not None
-    K0 = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
+    K0 = int(min_micro_count(_cdiv(bins_lower_bound(lens, cap), D), cfg))
     k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
     if is_additive(cfg.cost) or k_hi <= K0:
         return _grow(lens, costs, cfg, K0, K0, [])
@@ -283,7 +289,7 @@ def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.
         tok = np.cumsum(np.bincount(inverse, weights=lens, minlength=R))
         big = np.cumsum(np.bincount(inverse, weights=2 * lens > cap, minlength=R))
         m_lb = np.maximum(np.maximum(np.ceil(tok / cap), big), 1).astype(np.int64)
-    K_lb = _round_up(_cdiv(m_lb, D), a)
+    K_lb = min_micro_count(_cdiv(m_lb, D), cfg)
     for keep in range(R - 1, 0, -1):  # keep = number of rollouts kept
         n_keep = int(kept_n[keep - 1])
         if n_keep < D * a:

@@ -11,6 +11,12 @@ Install with ``pip install microplan[torch]``. One training step on rank ``r``::
         weighted_loss(per_token_loss(logp), p).backward()  # Σ w·ℓ — no other normalisation
     # DDP/FSDP average the gradients (grad_reduction="mean"): the result is exactly ∇J.
 
+The forward passes before it (old and reference log-probs) are one call on a forward plan::
+
+    fwd = microplan.plan_forward(batch, cfg, like=plan)    # the training geometry: bit-identical
+    old = forward_logprobs(model, fwd.rank(r), token_ids)  # per sample, in sample order
+    old_logp = pack_values(p, old.as_dict())               # into a training micro-batch
+
 Around the plan, the collectives of an SPMD trainer (each takes the process group explicitly):
 ``plan_distributed`` (gather every rank's lengths, plan, verify the fingerprints),
 ``exchange_samples`` / ``exchange_outputs`` (move tensors to the ranks the plan assigns and
@@ -29,6 +35,8 @@ except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without 
 
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
                           local_view, plan_distributed, routes, verify_agreement)
+from .chunked import chunked_token_logprobs
+from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
 from .restore import Restored, restore_order
@@ -36,6 +44,8 @@ from .restore import Restored, restore_order
 __all__ = [
     "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order",
+    # forward-only passes (old/reference log-probs): pack, run, restore in one call
+    "run_forward", "forward_logprobs", "chunked_token_logprobs",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
     "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
