@@ -27,6 +27,7 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("microplan.torch needs PyTorch: pip install 'microplan[torch]'") from exc
 
+from .attention import register_attention
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
                           local_view, plan_distributed, routes, verify_agreement)
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
@@ -35,7 +36,7 @@ from .restore import Restored, restore_order
 
 __all__ = [
     "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
-    "next_token_weights", "weighted_loss", "Restored", "restore_order",
+    "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
     "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
