@@ -32,11 +32,16 @@ from .distributed import (LocalView, Routes, collective_guard, exchange_outputs,
                           local_view, plan_distributed, routes, verify_agreement)
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
+from .profile import ProfileDesign, attention_regime, profile_cost, profile_design
 from .restore import Restored, restore_order
+from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
 
 __all__ = [
     "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
+    # measured cost: profiling, timing in the loop (docs/cost.md)
+    "profile_cost", "profile_design", "ProfileDesign", "attention_regime", "MicroTimer", "MicroTiming",
+    "lockstep_records", "time_call",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
     "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
