@@ -30,7 +30,7 @@ import torch
 import microplan as mp
 from microplan.torch import PackedMicro, pack_micro, register_attention, time_call, token_logprobs, weighted_loss
 
-__all__ = ["BACKENDS", "MODEL_CONFIG", "TimedModel"]
+__all__ = ["BACKENDS", "MODEL_CONFIG", "TimedModel", "SimulatedModel"]
 
 #: The benchmark's model: a 4-layer Llama, hidden 256 (the shape issue 9 measured), GQA 4/2 heads.
 MODEL_CONFIG: dict[str, Any] = dict(model_type="llama", vocab_size=2048, hidden_size=256, intermediate_size=704,
@@ -105,3 +105,60 @@ class TimedModel:
     @property
     def cached(self) -> int:
         return len(self._cache)
+
+
+class SimulatedModel:
+    """A noise-free stand-in for :class:`TimedModel` (``bench_measured --simulate``): no compute.
+
+    Its time is shaped like this model measured on the 2-core CPU (1 thread, docs/cost.md):
+    ``linear·T + per_micro`` plus attention — varlen: ``q_causal·Σ L²``; sdpa-packed: ``q_causal·L²``
+    for a lone sample (sdpa's causal path) and ``q_masked·T²`` for a pack (the masked path computes
+    every pair). It separates what the planners do from a shared machine's noise.
+    """
+
+    LINEAR, Q_CAUSAL, Q_MASKED, PER_MICRO = 3.3e-4, 1.3e-7, 2.3e-7, 0.015
+
+    def __init__(self, *, config: dict[str, Any] | None = None) -> None:
+        self.config_dict = dict(MODEL_CONFIG if config is None else config)
+        self.vocab = int(self.config_dict["vocab_size"])
+        self.backend = "sdpa-packed"
+        self.now = 0.0
+        self.runs = 0
+        self.compute_seconds = 0.0
+        self._seen: set[tuple[str, tuple[int, ...]]] = set()
+
+    def use(self, backend: str) -> None:
+        self.backend = backend
+
+    def warm(self, cap: int) -> None:
+        pass
+
+    def clock(self) -> float:
+        return self.now
+
+    def seconds(self, lens: Sequence[int]) -> float:
+        m = [int(x) for x in lens] or [1]
+        T = sum(m)
+        if self.backend == "varlen" or len(m) == 1:
+            att = self.Q_CAUSAL * sum(L * L for L in m)
+        else:
+            att = self.Q_MASKED * T * T
+        t = self.LINEAR * T + att + self.PER_MICRO
+        key = (self.backend, tuple(sorted(m)))
+        if key not in self._seen:
+            self._seen.add(key)
+            self.compute_seconds += t  # what a real run of each composition once would take
+        return t
+
+    def run(self, p: PackedMicro) -> None:
+        t = self.seconds(p.seq_lens)
+        self.now += t
+        self.compute_seconds += t
+        self.runs += 1
+
+    def time_plan(self, lens_plan: Sequence[Sequence[Sequence[int]]]) -> list[list[float]]:
+        return [[self.seconds(m) for m in row] for row in lens_plan]
+
+    @property
+    def cached(self) -> int:
+        return len(self._seen)

@@ -48,13 +48,13 @@ from microplan.torch import profile_cost  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
-from benchmarks._timed_model import BACKENDS, TimedModel  # noqa: E402
+from benchmarks._timed_model import BACKENDS, SimulatedModel, TimedModel  # noqa: E402
 from benchmarks.peers import plan_nemo_rl, plan_slime, plan_verl  # noqa: E402
 
 MICROPLAN = ("microplan-flops", "microplan-profiled", "microplan-metered")
 PEERS = {"verl": plan_verl, "slime": plan_slime, "nemo-rl": plan_nemo_rl}
 FAMILIES = ("grpo-longtail", "bimodal", "stepwise-multiturn", "long-context")
-FULL = dict(families=FAMILIES, dps=(4, 8), max_len=2048, cap=2048, spg=4, warmup=3, scored=3,
+FULL = dict(families=FAMILIES, dps=(4, 8), max_len=2048, cap=2048, spg=6, warmup=3, scored=2,
             profile_repeats=3, repeats=1)
 QUICK = dict(families=("grpo-longtail",), dps=(4,), max_len=1024, cap=1024, spg=4, warmup=1, scored=2,
              profile_repeats=1, repeats=1)
@@ -270,27 +270,34 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dp", nargs="*", type=int)
     ap.add_argument("--backends", nargs="*", default=list(BACKENDS))
     ap.add_argument("--repeats", type=int, help="timed runs per composition (median)")
+    ap.add_argument("--spg", type=int, help="samples per GPU per step")
+    ap.add_argument("--scored", type=int, help="scored steps per case")
+    ap.add_argument("--warmup", type=int, help="metered warm-up steps per case")
     ap.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--simulate", action="store_true",
+                    help="no model: a noise-free machine shaped like the measured one (_timed_model.SimulatedModel)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     import torch
     if args.threads:
         torch.set_num_threads(args.threads)
     opts = dict(QUICK if args.quick else FULL, seed=args.seed)
-    for k, v in (("families", args.families), ("dps", args.dp), ("repeats", args.repeats)):
+    for k, v in (("families", args.families), ("dps", args.dp), ("repeats", args.repeats), ("spg", args.spg),
+                 ("scored", args.scored), ("warmup", args.warmup)):
         if v:
             opts[k] = tuple(v) if isinstance(v, list) else v
     t0 = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)  # noqa: E731
-    model = TimedModel(seed=args.seed, repeats=opts["repeats"])
+    model = SimulatedModel() if args.simulate else TimedModel(seed=args.seed, repeats=opts["repeats"])
+    clock = model.clock if args.simulate else None
     prior = mp.FlopsCost.from_hf_config(model.config_dict)
     rows, profiles = [], {}
     for backend in args.backends:
         model.use(backend)
         model.warm(opts["cap"])
         prof = profile_cost(model.run, max_tokens_per_micro=opts["cap"], repeats=opts["profile_repeats"],
-                            vocab_size=model.vocab, device="cpu", seed=args.seed, time_budget_s=None)
+                            vocab_size=model.vocab, device="cpu", seed=args.seed, time_budget_s=None, clock=clock)
         profiles[backend] = dict(cost=prof.cost.to_dict(), r2=prof.r2, heldout_median=prof.heldout_median_error,
                                  heldout_max=prof.heldout_max_error, regime=prof.regime,
                                  rows=[{k: r[k] for k in ("seq_lens", "seconds", "times", "heldout")} for r in prof.rows])
@@ -308,13 +315,17 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  {k:<40} lowest={v['lowest']!s:<5}  margin={v['margin_vs_best_peer']:+.1%}  "
               f"step err={v['step_pred_error_median']:.1%}")
     log(f"done: {model.runs} timed forward+backward runs, {model.cached} distinct compositions")
+    if args.simulate:
+        print(f"a real run would compute ~{model.compute_seconds / 60:.0f} minutes of forward+backward "
+              f"(1-thread speed of the measured machine, repeats=1)")
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                  simulated=args.simulate,
                   threads=torch.get_num_threads(), model=model.config_dict, backends=BACKENDS,
                   options={k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
                   prior=prior.to_dict(), profiles=profiles, targets_set=TARGETS, targets=targets,
                   summary=summary, rows=rows, seconds=time.perf_counter() - t0)
     if not args.no_write:
-        stem = save_json("measured", result)
+        stem = save_json("measured-simulated" if args.simulate else "measured", result)
         plot(summary, stem.with_suffix(".png"))
         print(f"wrote {stem}.json and {stem}.png")
     return result
