@@ -147,7 +147,8 @@ class SimulatedModel:
         key = (self.backend, tuple(sorted(m)))
         if key not in self._seen:
             self._seen.add(key)
-            self.compute_seconds += t  # what a real run of each composition once would take
+            self.compute_seconds += t
+            self.runs += 1  # what a real run of each composition once would take
         return t
 
     def run(self, p: PackedMicro) -> None:

@@ -234,7 +234,7 @@ def format_table(summary: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], path: Path) -> None:
+def plot(summary: list[dict], path: Path, title: str) -> None:
     """One panel per backend: lockstep time of each planner relative to the best cap-respecting peer."""
     import matplotlib
     matplotlib.use("Agg")
@@ -255,7 +255,7 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.set_ylabel("measured lockstep vs best\ncap-respecting peer (%)")
         ax.set_title(f"{b}: {BACKENDS[b]}", fontsize=9)
         ax.legend(ncol=6, fontsize=7)
-    fig.suptitle("Measured step time (lower is better): 4-layer Llama on CPU, every micro-batch run fwd+bwd")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -326,7 +326,9 @@ def main(argv: list[str] | None = None) -> dict:
                   summary=summary, rows=rows, seconds=time.perf_counter() - t0)
     if not args.no_write:
         stem = save_json("measured-simulated" if args.simulate else "measured", result)
-        plot(summary, stem.with_suffix(".png"))
+        plot(summary, stem.with_suffix(".png"), "Simulated machine of the measured shape (no compute, no noise)"
+             if args.simulate else "Measured step time (lower is better): 4-layer Llama on CPU, every micro-batch "
+             "run fwd+bwd")
         print(f"wrote {stem}.json and {stem}.png")
     return result
 
