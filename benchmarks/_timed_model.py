@@ -113,13 +113,16 @@ class SimulatedModel:
     Its time is shaped like this model measured on the 2-core CPU (1 thread, docs/cost.md):
     ``linear·T + per_micro`` plus attention — varlen: ``q_causal·Σ L²``; sdpa-packed: ``q_causal·L²``
     for a lone sample (sdpa's causal path) and ``q_masked·T²`` for a pack (the masked path computes
-    every pair). It separates what the planners do from a shared machine's noise.
+    every pair; ``lone_discount=False`` prices a lone sample like a pack, which is what the
+    four-feature cost model can express). It separates what the planners do from a shared
+    machine's noise.
     """
 
     LINEAR, Q_CAUSAL, Q_MASKED, PER_MICRO = 3.3e-4, 1.3e-7, 2.3e-7, 0.015
 
-    def __init__(self, *, config: dict[str, Any] | None = None) -> None:
+    def __init__(self, *, config: dict[str, Any] | None = None, lone_discount: bool = True) -> None:
         self.config_dict = dict(MODEL_CONFIG if config is None else config)
+        self.lone_discount = lone_discount
         self.vocab = int(self.config_dict["vocab_size"])
         self.backend = "sdpa-packed"
         self.now = 0.0
@@ -139,7 +142,7 @@ class SimulatedModel:
     def seconds(self, lens: Sequence[int]) -> float:
         m = [int(x) for x in lens] or [1]
         T = sum(m)
-        if self.backend == "varlen" or len(m) == 1:
+        if self.backend == "varlen" or (len(m) == 1 and self.lone_discount):
             att = self.Q_CAUSAL * sum(L * L for L in m)
         else:
             att = self.Q_MASKED * T * T

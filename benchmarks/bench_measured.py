@@ -277,6 +277,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--simulate", action="store_true",
                     help="no model: a noise-free machine shaped like the measured one (_timed_model.SimulatedModel)")
+    ap.add_argument("--no-lone-discount", action="store_true",
+                    help="with --simulate: a lone sample on the packed row costs like a pack (no causal discount)")
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     import torch
@@ -289,7 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
             opts[k] = tuple(v) if isinstance(v, list) else v
     t0 = time.perf_counter()
     log = lambda msg: print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)  # noqa: E731
-    model = SimulatedModel() if args.simulate else TimedModel(seed=args.seed, repeats=opts["repeats"])
+    model = SimulatedModel(lone_discount=not args.no_lone_discount) if args.simulate else TimedModel(seed=args.seed, repeats=opts["repeats"])
     clock = model.clock if args.simulate else None
     prior = mp.FlopsCost.from_hf_config(model.config_dict)
     rows, profiles = [], {}
@@ -319,13 +321,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"a real run would compute ~{model.compute_seconds / 60:.0f} minutes of forward+backward "
               f"(1-thread speed of the measured machine, repeats=1)")
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                  simulated=args.simulate,
+                  simulated=args.simulate, lone_discount=None if not args.simulate else not args.no_lone_discount,
                   threads=torch.get_num_threads(), model=model.config_dict, backends=BACKENDS,
                   options={k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()},
                   prior=prior.to_dict(), profiles=profiles, targets_set=TARGETS, targets=targets,
                   summary=summary, rows=rows, seconds=time.perf_counter() - t0)
     if not args.no_write:
-        stem = save_json("measured-simulated" if args.simulate else "measured", result)
+        kind = "measured" if not args.simulate else "measured-simulated" + ("-uniform" if args.no_lone_discount else "")
+        stem = save_json(kind, result)
         plot(summary, stem.with_suffix(".png"), "Simulated machine of the measured shape (no compute, no noise)"
              if args.simulate else "Measured step time (lower is better): 4-layer Llama on CPU, every micro-batch "
              "run fwd+bwd")

@@ -17,6 +17,10 @@ Around the plan, the collectives of an SPMD trainer (each takes the process grou
 back), ``verify_agreement`` and ``collective_guard`` (a failure on one rank is an error on every
 rank, never a hang). See docs/loss.md for the loss modes and docs/integration.md for the
 SPMD and single-controller recipes.
+
+Measured cost (docs/cost.md): ``register_attention`` (per-sample varlen attention for
+transformers models), ``profile_cost`` (time designed micro-batches, fit the cost model),
+``MicroTimer`` / ``lockstep_records`` (time the loop's micro-batches for a ``CostMeter``).
 The numpy core never imports torch; this package never changes the plan.
 """
 
