@@ -173,3 +173,51 @@ def test_verl_min_num_micro_batch():
     assert len(plan_verl(lens, dp=2, cap=1000)[0]) == 1
     plan = plan_verl(lens, dp=2, cap=1000, min_num_micro_batch=2)
     assert [len(row) for row in plan] == [2, 2]
+# -- bench_measured: the scoring pieces with a simulated machine ----------------------------------
+
+from benchmarks import bench_measured as bm  # noqa: E402
+
+
+class _SimModel:
+    """Stands in for benchmarks/_timed_model.TimedModel: time = a known cost of the composition."""
+
+    backend = "sim"
+
+    def __init__(self, truth):
+        self.truth = truth
+
+    def time_plan(self, lens_plan):
+        return [[self.truth.micro_cost(m if len(m) else [1]) for m in row] for row in lens_plan]
+
+
+def test_measured_lockstep_and_step_sync_by_hand():
+    t = [[3.0, 1.0], [2.0, 2.5, 0.5]]
+    assert bm.lockstep(t) == 3.0 + 2.5 + 0.5 and bm.step_sync(t) == 5.0
+
+
+def test_measured_steps_are_whole_prompts_and_peer_padding_copies_cost():
+    steps = bm.make_steps("grpo-longtail", dp=4, spg=4, count=3, max_len=1024)
+    assert len(steps) == 3 and all(s.num_samples >= 16 and s.num_samples % 8 == 0 for s in steps)
+    lens = bm.peer_lens(lambda l, **kw: [[np.array([0, ~1])], [np.array([2], dtype=np.int64)]],
+                        steps[0], 2, 4096, None)
+    assert [list(m) for r in lens for m in r] == [[steps[0].seq_lens[0], steps[0].seq_lens[1]], [steps[0].seq_lens[2]]]
+
+
+def test_measured_case_with_a_known_machine():
+    """Profiled = the truth: its predictions are exact and it is never slower than the peers."""
+    truth = mp.FlopsCost(linear=1e-4, quadratic=1e-7, per_micro=0.01)
+    prior = mp.FlopsCost(linear=1.0, quadratic=1e-3)
+    opts = dict(cap=2048, spg=4, warmup=2, scored=2, max_len=2048, seed=0)
+    rows = bm.run_case(_SimModel(truth), "grpo-longtail", 4, opts, prior, truth, lambda msg: None)
+    assert {r["planner"] for r in rows} == set(bm.MICROPLAN) | set(bm.PEERS) and len(rows) == 12
+    summary = bm.summarise(rows)
+    by = {s["planner"]: s for s in summary}
+    assert by["microplan-profiled"]["errors"]["micro_max"] < 1e-12
+    assert by["microplan-profiled"]["errors"]["step_max"] < 1e-12
+    assert by["microplan-metered"]["errors"]["step_median"] < 0.05  # learned from 2 warm-up steps
+    assert by["microplan-profiled"]["lockstep"] <= min(by[p]["lockstep"] for p in bm.PEERS) * (1 + 1e-9)
+    assert by["microplan-flops"]["errors"]["scale"] > 0
+    targets = bm.check_targets(summary)
+    assert list(targets) == ["sim/grpo-longtail/4"] and targets["sim/grpo-longtail/4"]["lowest"]
+    assert targets["sim/grpo-longtail/4"]["step_pred_error_median"] < 1e-12
+    assert "microplan-metered" in bm.format_table(summary)

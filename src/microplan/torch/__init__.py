@@ -23,6 +23,10 @@ Around the plan, the collectives of an SPMD trainer (each takes the process grou
 back), ``verify_agreement`` and ``collective_guard`` (a failure on one rank is an error on every
 rank, never a hang). See docs/loss.md for the loss modes and docs/integration.md for the
 SPMD and single-controller recipes.
+
+Measured cost (docs/cost.md): ``register_attention`` (per-sample varlen attention for
+transformers models), ``profile_cost`` (time designed micro-batches, fit the cost model),
+``MicroTimer`` / ``lockstep_records`` (time the loop's micro-batches for a ``CostMeter``).
 The numpy core never imports torch; this package never changes the plan.
 """
 
@@ -33,19 +37,25 @@ try:
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without torch
     raise ImportError("microplan.torch needs PyTorch: pip install 'microplan[torch]'") from exc
 
+from .attention import register_attention
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
                           local_view, plan_distributed, routes, verify_agreement)
 from .chunked import chunked_token_logprobs
 from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
+from .profile import ProfileDesign, attention_regime, profile_cost, profile_design
 from .restore import Restored, restore_order
+from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
 
 __all__ = [
     "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
-    "next_token_weights", "weighted_loss", "Restored", "restore_order",
+    "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
     # forward-only passes (old/reference log-probs): pack, run, restore in one call
     "run_forward", "forward_logprobs", "chunked_token_logprobs",
+    # measured cost: profiling, timing in the loop (docs/cost.md)
+    "profile_cost", "profile_design", "ProfileDesign", "attention_regime", "MicroTimer", "MicroTiming",
+    "lockstep_records", "time_call",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
     "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
