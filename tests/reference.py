@@ -208,11 +208,16 @@ def sample_costs(cost: Any, lens: np.ndarray) -> np.ndarray:
 
 
 def micro_body(cost: Any, lens: Any) -> float:
-    """One micro-batch's cost without per_micro, from the public fields: Σ per-sample terms plus the
-    packed-row term packed_quadratic·T² (DESIGN: "a cost may be non-additive over the samples")."""
+    """One micro-batch's cost without per_micro, from the public fields (DESIGN: "a cost may be
+    non-additive over the samples"): Σ per-sample terms, except under a dense kernel
+    (packed_quadratic > 0), where a pack of two or more samples costs linear·T + packed_quadratic·T²
+    and a lone sample runs unmasked, priced per sample."""
     L = np.asarray(lens, dtype=np.float64)
     T = float(L.sum())
-    return float(sample_costs(cost, L).sum()) + float(getattr(cost, "packed_quadratic", 0.0)) * T * T
+    pq = float(getattr(cost, "packed_quadratic", 0.0))
+    if pq > 0 and L.size >= 2:
+        return float(cost.linear) * T + pq * T * T
+    return float(sample_costs(cost, L).sum())
 
 
 def grad_world(cfg: mp.PlanConfig) -> int:
@@ -332,15 +337,17 @@ class Optimum:
 
 
 def brute_force(lens: list[int], costs: list[float], *, dp: int, align: int, cap: int | None = None,
-                mbs: int | None = None, per_micro: float = 0.0, dummy: float = 1.0, packed: float = 0.0) -> Optimum:
+                mbs: int | None = None, per_micro: float = 0.0, dummy: float = 1.0, packed: float = 0.0,
+                k_max: int | None = None, linear: float = 1.0) -> Optimum:
     """Exhaustive optimum over all assignments of ≤ 8 samples into dp·K bins.
 
     A bin (micro-batch) costs Σ sample costs + per_micro; an empty bin is a placeholder and
     costs dummy + per_micro (one dummy token), as in PlanStats. Bins may hold at most ``cap``
     tokens (dynamic) or ``mbs`` samples (static). K ranges over multiples of ``align``.
     Samples are enumerated as set partitions (bin labels only matter through the grid).
-    ``packed`` adds packed·T² per micro-batch (T its tokens; the dummy's T is 1); then only the
-    lockstep optimum is computed (step_sync is NaN).
+    ``packed`` > 0 prices a micro-batch of two or more samples as a dense kernel does,
+    linear·T + packed·T² (T its tokens; a lone sample keeps its sample cost); then only the
+    lockstep optimum is computed (step_sync is NaN). ``k_max`` caps K for the lockstep optimum.
     """
     n = len(lens)
     assert 1 <= n <= 8
@@ -367,13 +374,16 @@ def brute_force(lens: list[int], costs: list[float], *, dp: int, align: int, cap
     # lockstep: any K above k_hi leaves >= align full slots of placeholders after sorting,
     # and removing them lowers the time, so the optimum has K <= k_hi.
     k_hi = max(k_min, aligned(-(-n // dp)))
+    if k_max is not None:
+        k_hi = max(k_min, min(k_hi, k_max))
     lock_best, lock_kmin = math.inf, math.inf
     for K in range(k_min, k_hi + 1, align):
         for p in parts:
             if len(p) > dp * K:
                 continue
-            micro = [sum(costs[i] for i in b) + packed * sum(lens[i] for i in b) ** 2 + per_micro for b in p] \
-                + [dummy + packed + per_micro] * (dp * K - len(p))
+            micro = [(linear * sum(lens[i] for i in b) + packed * sum(lens[i] for i in b) ** 2
+                      if packed and len(b) >= 2 else sum(costs[i] for i in b)) + per_micro for b in p] \
+                + [dummy + per_micro] * (dp * K - len(p))
             t = lockstep_sorted_blocks(micro, dp)
             lock_best = min(lock_best, t)
             if K == k_min:

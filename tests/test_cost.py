@@ -232,27 +232,35 @@ def test_attention_presets_and_hedged_default():
         c = FlopsCost.from_hf_config(LLAMA3_8B, attention=name)
         assert c.quadratic == pytest.approx(slow * flops.quadratic, rel=1e-12) and c.packed_quadratic == 0.0
     dense = FlopsCost.from_hf_config(LLAMA3_8B, attention="sdpa-packed")
-    # a dense masked kernel computes all T² pairs (twice the causal L²/2), at its slowdown
-    assert dense.quadratic == 0.0
+    # a dense masked kernel computes all T² pairs of a packed row (twice the causal L²/2), at its
+    # slowdown; a lone sample runs the unmasked causal path (the per-sample term)
+    assert dense.quadratic == pytest.approx(2.5 * flops.quadratic, rel=1e-12)
     assert dense.packed_quadratic == pytest.approx(2 * 2.5 * flops.quadratic, rel=1e-12)
-    # a lone sample (T = L) under the dense kernel costs more attention than under varlen
-    assert dense.micro_cost([4096]) > FlopsCost.from_hf_config(LLAMA3_8B, attention="fa2").micro_cost([4096])
+    fa2 = FlopsCost.from_hf_config(LLAMA3_8B, attention="fa2")
+    assert dense.micro_cost([4096]) == pytest.approx(fa2.micro_cost([4096]), rel=1e-12)
+    assert dense.micro_cost([2048, 2048]) > fa2.micro_cost([2048, 2048])   # the pack pays every T² pair
     with pytest.raises(mp.PlanError, match="not a known attention kernel"):
         FlopsCost.from_hf_config(LLAMA3_8B, attention="flash")
 
 
 def test_micro_cost_is_the_sum_of_its_terms():
-    c = FlopsCost(linear=2.0, quadratic=0.5, per_micro=7.0, packed_quadratic=0.25)
-    lens = [3, 5]
-    assert c.micro_cost(lens) == 2.0 * 8 + 0.5 * (9 + 25) + 0.25 * 64 + 7.0
-    assert c.micro_cost(np.array(lens)) == c.micro_cost(lens)
+    varlen = mp.FlopsCost(linear=2.0, quadratic=0.5, per_micro=7.0)
+    assert varlen.micro_cost([3, 5]) == 2.0 * 8 + 0.5 * (9 + 25) + 7.0
+    assert varlen.micro_cost(np.array([3, 5])) == varlen.micro_cost([3, 5])
     assert TokenCost(per_micro=3.0).micro_cost([4, 6]) == 13.0
-    # not additive: two samples in one micro-batch cost more than apart (minus the per-micro terms)
-    assert c.micro_cost([3, 5]) > c.micro_cost([3]) + c.micro_cost([5]) - c.per_micro
-    # the planner splits [3, 5] in two micro-batches (55.5 < 56: the packed term saves more than per_micro)
-    step = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=1, max_tokens_per_micro=100, cost=c)).steps[0]
-    assert step.micro_count == 2 and sum(c.micro_cost(m) for m in step.micros[0]) == 55.5   # Micros accepted
-    assert sorted(step.choice.candidates) == [(1, 56.0), (2, 55.5)] and step.choice.lower_bound == 1
+    # a dense kernel: a pack pays linear·T + packed·T² (no per-sample attention), a lone sample runs the
+    # unmasked causal path (quadratic·L²) — the cost is not a sum over samples
+    c = FlopsCost(linear=2.0, quadratic=0.5, per_micro=7.0, packed_quadratic=0.25)
+    assert c.dense and not varlen.dense
+    assert c.micro_cost([3, 5]) == 2.0 * 8 + 0.25 * 64 + 7.0 == 39.0
+    assert c.micro_cost([3]) == 17.5 and c.micro_cost([5]) == 29.5
+    step = mp.plan(mp.Batch([3, 5]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=100, cost=c)).steps[0]
+    assert step.micro_count == 1 and sorted(step.choice.candidates) == [(1, 39.0), (2, 47.0)]
+    # long samples: two lone runs (76 + 132) beat one masked pack (160 + 1600 + 7) — the planner splits
+    long = FlopsCost(linear=2.0, quadratic=0.01, per_micro=7.0, packed_quadratic=0.25)
+    step = mp.plan(mp.Batch([30, 50]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=100, cost=long)).steps[0]
+    assert step.micro_count == 2 and sum(long.micro_cost(m) for m in step.micros[0]) == 76.0 + 132.0  # Micros accepted
+    assert step.choice.lower_bound == 1 and dict(step.choice.candidates)[1] == 1767.0
     assert cost_from_dict(c.to_dict()) == c
     with pytest.raises(mp.PlanError):
         FlopsCost(linear=0.0, quadratic=0.0, packed_quadratic=0.0)
@@ -321,7 +329,7 @@ def test_calibrate_recovers_coefficients_from_noisy_rows(seed):
 
 def test_calibrate_input_forms_agree():
     rows = synthetic_rows(30, 0.01, np.random.default_rng(3))
-    fields = FIELDS + ("packed_sq",)
+    fields = FIELDS + ("packed_sq", "lone_sq")
     structured = np.array([tuple(r[f] for f in fields) for r in rows], dtype=[(f, "f8") for f in fields])
     columns = {f: [r[f] for r in rows] for f in fields}
     a, b, c = calibrate(rows), calibrate(structured), calibrate(columns)
@@ -369,8 +377,8 @@ def test_nnls_satisfies_kkt(seed, n):
     (lambda r: [{**r[0], "sum_sq_len": r[0]["tokens"] - 1}] + r[1:], "columns swapped"),
     (lambda r: [{**r[0], "sum_sq_len": r[0]["tokens"] ** 2 * 2}] + r[1:], "<= tokens²"),
     (lambda r: [{**r[0], "tokens": "many"}] + r[1:], "must hold numbers"),
-    (lambda r: [dict(r[0], tokens=t * 1000, sum_sq_len=t * 1e6, packed_sq=t * 1e6, num_micros=t, seconds=t * 0.1)
-                for t in (1.0, 2.0, 3.0, 4.0)], "cannot separate"),
+    (lambda r: [dict(r[0], tokens=t * 1000, sum_sq_len=t * 1e6, packed_sq=t * 1e6, lone_sq=0.0, num_micros=t,
+                     seconds=t * 0.1) for t in (1.0, 2.0, 3.0, 4.0)], "cannot separate"),
     (lambda r: [calibration_row([L], 0.5) for L in (100, 1000, 5000, 9000)], "time does not grow"),
     (lambda r: np.ones((5, 4)), "plain array"),
     (lambda r: [(1, 2, 3, 4)] * 5, "must be a dict"),
@@ -386,7 +394,7 @@ def test_calibrate_refuses_bad_rows(rows, needle):
 
 def test_calibration_row_and_options():
     assert calibration_row([3, 4], 1.5) == {"tokens": 7.0, "sum_sq_len": 25.0, "num_micros": 1.0, "seconds": 1.5,
-                                            "packed_sq": 49.0}
+                                            "packed_sq": 49.0, "lone_sq": 0.0}
     assert calibration_row([[3], [4]], 1.5)["num_micros"] == 2.0
     with pytest.raises(mp.PlanError):
         calibration_row([], 1.0)

@@ -50,7 +50,8 @@ def test_exact_machine_recovers_coefficients_and_regime(truth, regime):
     assert res.regime == regime
     np.testing.assert_allclose(res.cost.coefficients(), truth.coefficients(), rtol=1e-6, atol=1e-15)
     assert res.r2 > 1 - 1e-9 and res.heldout_median_error < 1e-9 and res.heldout_max_error < 1e-9
-    assert set(res.terms) == {"linear", "quadratic", "packed_quadratic", "per_micro"}
+    # the regime calibrate chose: a dense kernel fits the packed term too
+    assert set(res.terms) == {"linear", "quadratic", "per_micro"} | ({"packed_quadratic"} if regime == "packed" else set())
 
 
 def test_noisy_machine_heldout_error_and_rows():

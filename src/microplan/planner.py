@@ -77,4 +77,4 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
 def _micro_costs(cfg: PlanConfig, bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, nb: int) -> np.ndarray:
     """Predicted cost of each of the ``nb`` micro-batches (placeholders: per_micro only)."""
     return bin_costs(cfg.cost, np.bincount(bin_of, weights=costs, minlength=nb),  # type: ignore[arg-type]
-                     np.bincount(bin_of, weights=lens, minlength=nb))
+                     np.bincount(bin_of, weights=lens, minlength=nb), np.bincount(bin_of, minlength=nb))

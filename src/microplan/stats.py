@@ -51,7 +51,8 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
     empty = sizes == 0  # placeholders: one dummy token
     additive[empty] = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
     tokens[empty] = 1.0
-    body = bin_costs(cost, additive, tokens) - cost.per_micro
+    count = np.array([m.tree.members.size if m.tree is not None else m.indices.size for m in flat], dtype=np.int64)
+    body = bin_costs(cost, additive, tokens, count) - cost.per_micro
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
     return (body / width + cost.per_micro).reshape(D, K)
 
@@ -93,7 +94,7 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) 
         tree = step_tree(batch, idx)
         seg = (tree.end - tree.start).astype(np.float64)
         seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
-        single = float((bin_costs(cost, cost.sample_costs(lens), lens) - cost.per_micro).max())  # a sample alone
+        single = float(cost.sample_costs(lens).max())  # a sample alone
         return best_lower_bound(seg_cost, seg.astype(np.int64), k_lb, bins_per_k=cfg.dp_size,
                                 gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
     return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,

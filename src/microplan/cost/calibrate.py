@@ -3,7 +3,8 @@
 Each measured row is one timed unit of work (a micro-batch, or a whole step on one rank) and
 says how much it did: ``tokens`` (Σ L over its samples), ``sum_sq_len`` (Σ L²), ``num_micros``
 (micro-batches it ran), optionally ``packed_sq`` (Σ over its micro-batches of T², T = the
-micro-batch's packed tokens) and ``seconds``. The model is linear in its coefficients::
+micro-batch's packed tokens, over the micro-batches that hold two or more samples: a lone sample
+runs unmasked) and ``seconds``. The model is linear in its coefficients::
 
     seconds ≈ linear·tokens + quadratic·sum_sq_len + packed_quadratic·packed_sq + per_micro·num_micros
 
@@ -48,7 +49,7 @@ from ..errors import PlanError
 __all__ = ["FIELDS", "OPTIONAL_FIELDS", "CalibrationResult", "calibrate", "calibration_row", "nnls"]
 
 FIELDS: tuple[str, ...] = ("tokens", "sum_sq_len", "num_micros", "seconds")
-OPTIONAL_FIELDS: tuple[str, ...] = ("packed_sq",)
+OPTIONAL_FIELDS: tuple[str, ...] = ("packed_sq", "lone_sq")
 _COND_LIMIT = 1e-9  # smallest/largest singular value of the unit-norm design below this: degenerate
 
 
@@ -99,7 +100,7 @@ def calibration_row(micro_seq_lens: Sequence[int] | Sequence[Sequence[int]], sec
     """One row from what was timed: a micro-batch's sample lengths, or a list of micro-batches.
 
     >>> calibration_row([[1000, 3000], [4000]], 0.52)
-    {'tokens': 8000.0, 'sum_sq_len': 26000000.0, 'num_micros': 2.0, 'seconds': 0.52, 'packed_sq': 32000000.0}
+    {'tokens': 8000.0, 'sum_sq_len': 26000000.0, 'num_micros': 2.0, 'seconds': 0.52, 'packed_sq': 16000000.0, 'lone_sq': 16000000.0}
     """
     items = list(micro_seq_lens)
     micros = items if items and all(isinstance(m, (Sequence, np.ndarray)) for m in items) else [items]
@@ -107,9 +108,10 @@ def calibration_row(micro_seq_lens: Sequence[int] | Sequence[Sequence[int]], sec
     if not lens:
         raise PlanError("calibration_row got no sample lengths; pass the lengths of the samples that ran.")
     arr = np.asarray(lens)
-    packed = sum(float(np.sum(np.asarray(m, dtype=np.float64))) ** 2 for m in micros)
+    packed = sum(float(np.sum(np.asarray(m, dtype=np.float64))) ** 2 for m in micros if len(m) >= 2)
+    lone = sum(float(np.asarray(m, dtype=np.float64)[0]) ** 2 for m in micros if len(m) == 1)
     return {"tokens": float(arr.sum()), "sum_sq_len": float((arr * arr).sum()),
-            "num_micros": float(len(micros)), "seconds": float(seconds), "packed_sq": packed}
+            "num_micros": float(len(micros)), "seconds": float(seconds), "packed_sq": packed, "lone_sq": lone}
 
 
 def _columns(rows: Any) -> dict[str, np.ndarray]:
@@ -133,7 +135,7 @@ def _columns(rows: Any) -> dict[str, np.ndarray]:
                 raise PlanError(f"calibrate rows[{i}] lacks {missing}; each row needs {FIELDS} "
                                 f"(calibration_row(lengths, seconds) builds one).")
         get = lambda f: [r[f] for r in rows]  # noqa: E731
-        have = set(FIELDS) | ({"packed_sq"} if rows and all("packed_sq" in r for r in rows) else set())
+        have = set(FIELDS) | {f for f in OPTIONAL_FIELDS if rows and all(f in r for r in rows)}
     else:
         raise PlanError(f"calibrate got {type(rows).__name__}; pass a list of dicts, a structured array, "
                         f"or a dict of columns with fields {FIELDS}.")
@@ -179,8 +181,12 @@ def _packed_rules(cols: dict[str, np.ndarray]) -> tuple:
     if "packed_sq" not in cols:
         return ()
     t, sq, p = cols["tokens"], cols["sum_sq_len"], cols["packed_sq"]
-    return (("packed_sq", p, p >= sq * (1 - 1e-12), ">= sum_sq_len (each micro-batch's T² >= Σ L² of its samples)"),
-            ("packed_sq", p, p <= t * t * (1 + 1e-12), "<= tokens² (Σ_m T_m² <= (Σ T_m)²)"))
+    rules = (("packed_sq", p, p >= 0, ">= 0"),
+             ("packed_sq", p, p <= t * t * (1 + 1e-12), "<= tokens² (Σ_m T_m² <= (Σ T_m)²)"))
+    if "lone_sq" in cols:
+        q = cols["lone_sq"]
+        rules += (("lone_sq", q, (q >= 0) & (q <= sq * (1 + 1e-12)), "within [0, sum_sq_len] (lone samples' L²)"),)
+    return rules
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -207,7 +213,8 @@ def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return best
 
 
-_NAMES = {"tokens": "linear", "sum_sq_len": "quadratic", "packed_sq": "packed_quadratic", "num_micros": "per_micro"}
+_NAMES = {"tokens": "linear", "sum_sq_len": "quadratic", "lone_sq": "quadratic", "packed_sq": "packed_quadratic",
+          "num_micros": "per_micro"}
 
 
 def _separable(a: np.ndarray) -> bool:
@@ -219,20 +226,25 @@ def _separable(a: np.ndarray) -> bool:
 
 
 def calibrate(rows: Any, *, relative: bool = True, packed: bool | None = None) -> CalibrationResult:
-    """Fit ``seconds ≈ linear·tokens + quadratic·sum_sq_len [+ packed_quadratic·packed_sq] + per_micro·num_micros``.
+    """Fit the four-term cost model to timed rows (exact nonnegative least squares).
+
+    Two regimes (``microplan.cost.models``): a *varlen* kernel, ``seconds ≈ linear·tokens +
+    quadratic·sum_sq_len + per_micro·num_micros``; a *dense* masked kernel, where micro-batches
+    of two or more samples pay ``packed_quadratic·packed_sq`` instead of per-sample attention and
+    lone samples pay ``quadratic·lone_sq``.
 
     Args:
         rows: measured rows with fields ``tokens``, ``sum_sq_len``, ``num_micros``, ``seconds``
-            and optionally ``packed_sq``: a list of dicts (see :func:`calibration_row`), a numpy
-            structured array, or a dict of columns. At least one row per coefficient, varied
-            enough to separate the terms (short and long samples, different micro-batch counts,
-            and — for the packed term — micro-batches packing several samples).
+            and, for the dense regime, ``packed_sq`` (Σ T² over the row's micro-batches of >= 2
+            samples) and ``lone_sq`` (Σ L² over its one-sample micro-batches): a list of dicts (see
+            :func:`calibration_row`, which fills all of them), a numpy structured array, or a dict
+            of columns. At least one row per coefficient, varied enough to separate the terms.
         relative: minimise relative errors, weighting each row by 1/seconds (default True: timing
             noise is roughly proportional to the work, and short rows, which pin down
             ``per_micro``, then count as much as long ones). False minimises absolute errors.
-        packed: fit ``packed_quadratic`` (True: required, a PlanError if the rows cannot separate
-            it), leave it at 0 (False), or decide (None, default): fitted when the rows carry
-            ``packed_sq`` and separate it from ``sum_sq_len``.
+        packed: the regime: True dense, False varlen, None (default) both are fitted when the rows
+            carry the dense fields and separate its terms, and the better fit wins (the dense one
+            only if it explains the rows better and has a positive packed term).
 
     Returns:
         :class:`CalibrationResult` with the fitted :class:`FlopsCost` (in seconds), the residual
@@ -252,39 +264,26 @@ def calibrate(rows: Any, *, relative: bool = True, packed: bool | None = None) -
     n = len(cols["seconds"])
     seconds = cols["seconds"]
     w = 1.0 / seconds if relative else np.ones(n)
-    names = ["tokens", "sum_sq_len", "num_micros"]
-    if packed is not False and "packed_sq" in cols:
-        with_packed = ["tokens", "sum_sq_len", "packed_sq", "num_micros"]
-        a4 = np.column_stack([cols[f] for f in with_packed]) * w[:, None]
-        if packed or (n >= 4 and _separable(a4)):
-            names = with_packed
-    elif packed:
-        raise PlanError("calibrate(packed=True) needs a 'packed_sq' field in every row (Σ over the row's "
-                        "micro-batches of T²); calibration_row(lengths, seconds) adds it.")
-    k = len(names)
-    if n < k:
-        terms = ", ".join(_NAMES[f] for f in names)
-        raise PlanError(f"calibrate got {n} row(s) but fits {k} coefficients ({terms}); time at least {k} — "
-                        f"better 20+ — steps with different lengths and micro counts.")
-    design = np.column_stack([cols[f] for f in names])
-    a = design * w[:, None]
-    norms = np.linalg.norm(a, axis=0)
-    if not _separable(a):
-        if "packed_sq" in names:
-            raise PlanError("calibrate rows cannot separate quadratic (per-sample Σ L²) from packed_quadratic "
-                            "(T² of the packed row), or the other terms: time micro-batches that pack several "
-                            "samples as well as micro-batches of one long sample, at different totals.")
-        raise PlanError("calibrate rows cannot separate linear, quadratic and per_micro: the columns tokens, "
-                        "sum_sq_len and num_micros are (nearly) proportional across rows. Time rows that differ "
-                        "in sequence lengths (short and long samples) and in micro-batches per row.")
-    x = _nnls(a / norms, seconds * w) / norms
-    coef = dict(zip(names, (float(v) for v in x)))
-    linear, quadratic = coef["tokens"], coef["sum_sq_len"]
-    packed_q, per_micro = coef.get("packed_sq", 0.0), coef["num_micros"]
+    dense_ok = "packed_sq" in cols and "lone_sq" in cols
+    if packed and not dense_ok:
+        raise PlanError("calibrate(packed=True) needs 'packed_sq' and 'lone_sq' in every row (T² of the row's "
+                        "multi-sample micro-batches, L² of its one-sample ones); calibration_row(lengths, seconds) "
+                        "adds them.")
+    fits = []
+    if packed is not True:
+        fits.append(_fit(cols, ["tokens", "sum_sq_len", "num_micros"], w, n, required=True))
+    if packed is not False and dense_ok:
+        dense = _fit(cols, ["tokens", "lone_sq", "packed_sq", "num_micros"], w, n, required=bool(packed))
+        if dense is not None and (packed or dense[1]["packed_sq"] > 0):
+            fits.append(dense)
+    fits = [f for f in fits if f is not None]
+    x_names, coef, pred = min(fits, key=lambda f: float(((seconds - f[2]) * w) @ ((seconds - f[2]) * w)))
+    linear, per_micro = coef["tokens"], coef["num_micros"]
+    quadratic = coef.get("sum_sq_len", coef.get("lone_sq", 0.0))
+    packed_q = coef.get("packed_sq", 0.0)
     if linear == 0.0 and quadratic == 0.0 and packed_q == 0.0:
         raise PlanError("calibrate: the best nonnegative fit has no token term (linear = quadratic = 0), i.e. time "
                         "does not grow with tokens in these rows; time larger batches (overheads dominate these).")
-    pred = design @ x
     resid = seconds - pred
     ss_res = float(resid @ resid)
     centred = seconds - seconds.mean()
@@ -297,4 +296,33 @@ def calibrate(rows: Any, *, relative: bool = True, packed: bool | None = None) -
                                             packed_quadratic=packed_q),
                              residual_rms=math.sqrt(ss_res / n), r2=r2, num_rows=n,
                              max_relative_error=float(np.max(np.abs(resid) / seconds)),
-                             terms=tuple(_NAMES[f] for f in names))
+                             terms=tuple(_NAMES[f] for f in x_names))
+
+
+def _fit(cols: dict[str, np.ndarray], names: list[str], w: np.ndarray, n: int,
+         required: bool) -> tuple[list[str], dict[str, float], np.ndarray] | None:
+    """(names, coefficients, predictions) of the NNLS fit on these columns; None (or PlanError when
+    ``required``) if the rows cannot separate them."""
+    k = len(names)
+    terms = ", ".join(_NAMES[f] for f in names)
+    if n < k:
+        if not required:
+            return None
+        raise PlanError(f"calibrate got {n} row(s) but fits {k} coefficients ({terms}); time at least {k} — "
+                        f"better 20+ — steps with different lengths and micro counts.")
+    design = np.column_stack([cols[f] for f in names])
+    a = design * w[:, None]
+    if not _separable(a):
+        if not required:
+            return None
+        if "packed_sq" in names:
+            raise PlanError("calibrate rows cannot separate the dense kernel's terms (packed_quadratic over micro-"
+                            "batches of several samples, quadratic over one-sample ones) from the others: time "
+                            "micro-batches that pack several samples as well as single long samples, at different "
+                            "totals.")
+        raise PlanError("calibrate rows cannot separate linear, quadratic and per_micro: the columns tokens, "
+                        "sum_sq_len and num_micros are (nearly) proportional across rows. Time rows that differ "
+                        "in sequence lengths (short and long samples) and in micro-batches per row.")
+    norms = np.linalg.norm(a, axis=0)
+    x = _nnls(a / norms, cols["seconds"] * w) / norms
+    return names, dict(zip(names, (float(v) for v in x))), design @ x

@@ -1,24 +1,25 @@
 """``CostMeter``: learn the cost model online from the micro-batches the trainer actually runs.
 
 Design note. Each record is one micro-batch run on one rank: its four features
-x = [Σ L, Σ L², T², 1] (token terms ÷ the CP degree: a GPU of a c-wide group does 1/c of the
+x = [Σ L, Σ L², T²·[n ≥ 2], 1] (token terms ÷ the CP degree: a GPU of a c-wide group does 1/c of the
 work) and the measured seconds y. :meth:`CostMeter.cost` returns the model to plan the next
 step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
 
 1. Scale. The prior (``from_hf_config`` in FLOPs, a profile in seconds, or none = tokens) is
    rescaled by the one factor s that best explains the records (relative least squares):
    one timed micro-batch already turns FLOPs into seconds.
-2. Prior. θ ~ N(s·θ₀, τ²) per coefficient with relative widths (linear ±30 %, per_micro
-   ±100 %, each attention term ±200 % of the prior's attention), a floor so a zero prior coefficient can still grow to explain ~5 % of a typical
-   record, and one coupled direction: the attention of a *single* sample (quadratic +
-   packed_quadratic, since a lone sample has T = L) keeps the prior's FLOP count within ±100 %,
-   while the split between per-sample (varlen) and packed-row (dense kernel) attention is free.
-   This is what keeps the fit sane on the nearly collinear rows a balanced plan produces
-   (every micro-batch near the cap): directions the records do not identify stay at the prior.
-3. Likelihood. Records weigh 1/(σ·y) (relative timing noise σ, default 5 %) times an
+2. Prior. θ ~ N(s·θ₀, τ²) per coefficient with relative widths (linear ±30 %, per_micro and
+   attention ±100 %), and a floor so a zero prior coefficient can still grow to explain ~5 % of a
+   typical record. This is what keeps the fit sane on the nearly collinear rows a balanced plan
+   produces (every micro-batch near the cap): directions the records do not identify stay at the
+   prior.
+3. Regime. Both kernel regimes of ``microplan.cost.models`` are fitted — varlen (Σ L² for every
+   micro-batch) and dense (T² for packs of two or more samples, L² for a lone sample) — and the
+   prior's regime is kept unless the other explains the records 5 % better (weighted residual).
+4. Likelihood. Records weigh 1/(σ·y) (relative timing noise σ, default 5 %) times an
    exponential decay by age (``half_life`` records), over a bounded window of the last
    ``window`` records — memory is O(window) whatever the run length.
-4. Solve the augmented nonnegative least squares exactly (``calibrate.nnls``).
+5. Solve the augmented nonnegative least squares exactly (``calibrate.nnls``).
 
 Drift: every record is also scored against the model the meter last handed out (the one the
 planner used), so :meth:`CostMeter.report` shows predicted-vs-measured error over the recent
@@ -48,9 +49,8 @@ __all__ = ["CostMeter", "MeterReport"]
 
 _REL_WIDTH = np.array([0.3, 1.0, 1.0, 1.0])   # prior width, relative to the prior coefficient
 _FLOOR = 0.05                                  # a zero prior may still explain 5 % of a typical record
-_ATTN_WIDTH = 1.0                              # single-sample attention (q + q_packed): ±100 %
-_SPLIT_WIDTH = 2.0                             # q alone: ±200 % of that attention
-_PACKED_WIDTH = 0.5                            # q_packed alone: ±50 % (a dense kernel must show in the data)
+_ATTN_WIDTH = 1.0                              # each attention term: ±100 %
+_REGIME_MARGIN = 0.05                          # the other regime must explain the records 5 % better
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,10 +159,13 @@ class CostMeter:
             raise PlanError("CostMeter.record: sample lengths must be finite and >= 1.")
         s = float_field("CostMeter.record(seconds)", seconds, positive=True)
         T = float(L.sum())
-        x = np.array([T / c, float((L * L).sum()) / c, T * T / c, 1.0])
+        sq = float((L * L).sum())
+        x = np.array([T / c, sq / c, 0.0, 1.0])                                   # varlen features
+        xd = np.array([T / c, 0.0, T * T / c, 1.0]) if L.size >= 2 else x          # dense-kernel features
         if self._issued is not None:
-            self._recent.append(abs(float(self._issued.coefficients() @ x) / s - 1.0))
-        self._x.append(x)
+            pred = self._issued.coefficients() @ (xd if self._issued.dense else x)
+            self._recent.append(abs(float(pred) / s - 1.0))
+        self._x.append(np.concatenate([x, xd]))
         self._y.append(s)
         self._fit = None
         self.num_records += 1
@@ -190,6 +193,7 @@ class CostMeter:
         fit_err = None
         if self._y and isinstance(fit, FlopsCost):
             X, y = np.array(self._x), np.array(self._y)
+            X = X[:, 4:] if fit.dense else X[:, :4]
             fit_err = float(np.median(np.abs(X @ fit.coefficients() / y - 1.0)))
         return MeterReport(num_records=self.num_records, window_records=len(self._y), cost=fit,
                            recent_median_error=float(np.median(errs)) if errs else None,
@@ -204,41 +208,60 @@ class CostMeter:
         return self._fit
 
     def _solve(self) -> FlopsCost:
-        X, y = np.array(self._x), np.array(self._y)
+        XX, y = np.array(self._x), np.array(self._y)
         m = y.size
         age = np.arange(m - 1, -1, -1, dtype=np.float64)
         decay = np.ones(m) if self.half_life is None else 0.5 ** (age / self.half_life)
         w = np.sqrt(decay) / (self.noise * y)
-        base = X @ self._theta0
+        t0 = self._theta0
+        prior_dense = t0[2] > 0
+        base = XX[:, 4:] @ t0 if prior_dense else XX[:, :4] @ t0
         s = float(np.sum(w * w * base * y) / np.sum(w * w * base * base))
         self._scale = s
-        mu = s * self._theta0
-        typical = np.median(X, axis=0)
-        yt = float(np.median(y))
-        floor = _FLOOR * yt / np.maximum(typical, 1e-300)
+        # one prior per regime: the lone-sample attention is the same physical term in both; a dense
+        # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise
+        mu_var = s * np.array([t0[0], t0[1], 0.0, t0[3]])
+        mu_den = s * np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
+        fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)), self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
+        (theta_v, ss_v), (theta_d, ss_d) = fits
+        # the dense regime only when the records say so clearly (and it keeps a packed term)
+        if prior_dense:
+            use_dense = not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0
+        else:
+            use_dense = ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0
+        theta = theta_d if use_dense else theta_v
+        if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
+            theta = mu_den if use_dense else mu_var
+        return FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
+                         per_micro=float(theta[3]))
+
+    def _map(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, mu: np.ndarray,
+             free: tuple[int, ...]) -> tuple[np.ndarray, float]:
+        """MAP fit over the coefficients ``free`` (others 0) and its weighted data residual."""
+        typical = np.maximum(np.median(X, axis=0), X.mean(axis=0))
+        with np.errstate(divide="ignore"):
+            floor = np.where(typical > 0, _FLOOR * float(np.median(y)) / typical, 0.0)  # 0: no data on that term
+        attn = max(mu[1], mu[2])
         tau = np.maximum(_REL_WIDTH * mu, floor)
-        mu_u = mu[1] + mu[2]  # a lone sample's attention: quadratic + packed_quadratic (T = L)
-        # the varlen/packed split moves only where the records show it: each term ±(width·attention)
-        tau[1] = max(_SPLIT_WIDTH * mu_u, float(floor[1]))
-        tau[2] = max(_PACKED_WIDTH * mu_u, float(floor[2]))
-        rows = [X * w[:, None]]
+        tau[1] = max(_ATTN_WIDTH * attn, float(floor[1]))
+        tau[2] = max(_ATTN_WIDTH * attn, float(floor[2]))
+        tau = np.where((tau > 0) & np.isfinite(tau), tau, np.maximum(np.abs(mu), 1.0))
+        cols = list(free)
+        rows = [X[:, cols] * w[:, None]]
         rhs = [y * w]
-        eye = np.eye(4)
-        for j in range(4):
-            rows.append(eye[j][None] / tau[j])
+        for k, j in enumerate(cols):
+            e = np.zeros(len(cols))
+            e[k] = 1.0 / tau[j]
+            rows.append(e[None])
             rhs.append(np.array([mu[j] / tau[j]]))
-        u = np.array([0.0, 1.0, 1.0, 0.0])
-        tau_u = max(_ATTN_WIDTH * mu_u, float(floor[1]))
-        rows.append(u[None] / tau_u)
-        rhs.append(np.array([mu_u / tau_u]))
         A = np.vstack(rows)
         b = np.concatenate(rhs)
         norms = np.linalg.norm(A, axis=0)
-        theta = nnls(A / norms, b) / norms
-        if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
-            theta = mu
-        return FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
-                         per_micro=float(theta[3]))
+        sol = nnls(A / norms, b) / norms
+        theta = np.zeros(4)
+        theta[cols] = sol
+        r = (X @ theta - y) * w
+        return theta, float(r @ r)
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"

@@ -1,9 +1,11 @@
 """Cost models: the predicted time of ONE micro-batch, used for balancing, K and predicted times.
 
 Design note. Every built-in model is linear in four *features* of a micro-batch holding samples
-of lengths L_1..L_n packed into a row of T = Σ L tokens::
+of lengths L_1..L_n packed into a row of T = Σ L tokens (``micro_features``)::
 
-    micro_cost = linear·Σ L  +  quadratic·Σ L²  +  packed_quadratic·T²  +  per_micro
+    varlen kernel:   micro_cost = linear·Σ L + quadratic·Σ L² + per_micro
+    dense kernel:    micro_cost = linear·T + packed_quadratic·T² + per_micro   (two or more samples)
+                                = linear·L + quadratic·L² + per_micro           (a lone sample)
 
 - ``linear``: weights (dense, MoE, LM head) — every token costs the same.
 - ``quadratic``: attention of *varlen* kernels (flash-attn varlen, cuDNN, per-sample sdpa):
@@ -12,7 +14,11 @@ of lengths L_1..L_n packed into a row of T = Σ L tokens::
   mask (transformers' sdpa/eager fed restarting position ids, any masked dense kernel): the
   kernel computes all T² pairs, so the cost is NOT a sum over samples. Under such a backend two
   half-full micro-batches are cheaper than one full one, and the planner chooses the
-  micro-batch count by predicted time (``stages/kchoice.py``).
+  micro-batch count by predicted time (``stages/kchoice.py``). A model with this term is a
+  *dense* model: a micro-batch of two or more samples pays ``packed_quadratic·T²`` and no
+  per-sample attention, while a lone sample needs no mask and runs the kernel's plain causal
+  path, priced by ``quadratic·L²`` (measured with transformers' sdpa on CPU: a lone 2,048-token
+  sample runs ~1.7x faster than a masked pack of the same length).
 - ``per_micro``: fixed cost per micro-batch a rank runs (launches, FSDP gathers, sync).
 
 The planner reads a model through :meth:`sample_costs` (the additive part per sample),
@@ -72,20 +78,25 @@ def _lens(seq_lens: Any) -> np.ndarray:
     return arr
 
 
-def micro_features(seq_lens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``[Σ L, Σ L², T², 1]`` of one micro-batch (a ``Micro`` is accepted): the model's regressors.
+def micro_features(seq_lens: Sequence[int] | np.ndarray, *, dense: bool = False) -> np.ndarray:
+    """The regressors of one micro-batch (a ``Micro`` is accepted), aligned with :data:`FEATURES`.
 
-    A prefix-shared micro-batch (a ``Micro`` with a ``tree``) holds U unique tokens whose
-    attention work is Σ over tokens of (2·position + 1) (= L² for a lone sample): its features
-    are ``[U, depth_sq, U², 1]``.
+    Varlen kernels (``dense=False``): ``[Σ L, Σ L², 0, 1]``. A dense masked kernel
+    (``dense=True``, a model with ``packed_quadratic > 0``): a micro-batch of two or more samples
+    pays the packed row, ``[T, 0, T², 1]``; a lone sample needs no mask and runs the plain causal
+    path, ``[L, L², 0, 1]``. A prefix-shared micro-batch (a ``Micro`` with a ``tree``) holds U
+    unique tokens whose attention work is Σ over tokens of (2·position + 1) (= L² for one
+    sample): U and that sum stand for Σ L and Σ L².
     """
     tree = getattr(seq_lens, "tree", None)
     if tree is not None:
-        U = float(tree.num_tokens)
-        return np.array([U, float(tree.depth_sq), U * U, 1.0])
-    L = _lens(seq_lens)
-    T = float(L.sum())
-    return np.array([T, float((L * L).sum()), T * T, 1.0])
+        T, sq, n = float(tree.num_tokens), float(tree.depth_sq), int(tree.members.size)
+    else:
+        L = _lens(seq_lens)
+        T, sq, n = float(L.sum()), float((L * L).sum()), int(L.size)
+    if dense and n >= 2:
+        return np.array([T, 0.0, T * T, 1.0])
+    return np.array([T, sq, 0.0, 1.0])
 
 
 def is_additive(cost: CostModel) -> bool:
@@ -96,13 +107,20 @@ def is_additive(cost: CostModel) -> bool:
     return not hasattr(cost, "packed_costs")
 
 
-def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """Cost of micro-batches from Σ sample_costs and packed tokens T of each (per_micro included)."""
+def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray, counts: np.ndarray | int) -> np.ndarray:
+    """Cost of micro-batches from Σ sample_costs, packed tokens T and sample count of each
+    (per_micro included). Under a dense kernel (a packed term) a micro-batch of two or more
+    samples costs ``linear·T + packed_costs(T)`` (the per-sample attention is replaced by the
+    packed row's); a lone sample costs its sample cost (the kernel's unmasked causal path)."""
     out = np.asarray(additive, dtype=np.float64) + float(cost.per_micro)
-    packed = getattr(cost, "packed_costs", None)
-    if packed is not None:
-        out = out + packed(np.asarray(tokens, dtype=np.float64))
-    return out
+    if is_additive(cost):
+        return out
+    T = np.asarray(tokens, dtype=np.float64)
+    multi = np.asarray(counts) >= 2
+    packed = cost.packed_costs(T)  # type: ignore[attr-defined]
+    row = float(getattr(cost, "linear", 0.0)) * T + packed + float(cost.per_micro) \
+        if hasattr(cost, "linear") else out + packed
+    return np.where(multi, row, out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,9 +177,11 @@ class FlopsCost:
         linear: cost per token (forward+backward FLOPs of the dense/MoE/LM-head weights).
         quadratic: cost per squared token of ONE sample (varlen causal attention, per sample).
         per_micro: fixed cost per micro-batch a rank runs (launch, all-gather, sync overhead).
-        packed_quadratic: cost per squared token of the micro-batch's packed total T (a dense
-            kernel over the packed row with a block-diagonal mask computes all T² pairs).
-            Default 0 (varlen kernels).
+        packed_quadratic: > 0 selects a dense masked kernel: a micro-batch of two or more samples
+            costs ``linear·T + packed_quadratic·T² + per_micro`` (all T² pairs of the packed row, no
+            per-sample term), a lone sample ``linear·L + quadratic·L² + per_micro`` (no mask: the
+            plain causal path). Default 0: a varlen kernel, ``quadratic·Σ L²`` for every
+            micro-batch.
 
     All four are finite and >= 0 and at least one of the token terms is positive. Build one
     from a model's dimensions with :meth:`from_hf_config`, fit one to timings with
@@ -195,7 +215,12 @@ class FlopsCost:
             self.quadratic * np.asarray(depth_sq, dtype=np.float64)
 
     def micro_cost(self, seq_lens: Sequence[int] | np.ndarray) -> float:
-        return float(self.coefficients() @ micro_features(seq_lens))
+        return float(self.coefficients() @ micro_features(seq_lens, dense=self.dense))
+
+    @property
+    def dense(self) -> bool:
+        """True for a dense masked kernel (``packed_quadratic > 0``): packs pay T², lone samples L²."""
+        return self.packed_quadratic > 0.0
 
     def coefficients(self) -> np.ndarray:
         """Coefficients over :data:`FEATURES` (``[linear, quadratic, packed_quadratic, per_micro]``)."""
@@ -268,9 +293,8 @@ class FlopsCost:
         scale = 1.0 + bf
         linear = scale * f.linear
         attn = scale * f.quadratic * kernel.slowdown
-        if kernel.packed:  # a dense masked kernel computes every pair of the packed row
-            attn_packed = attn * (2.0 if causal else 1.0)
-            quad, packed = 0.0, attn_packed
+        if kernel.packed:  # a dense masked kernel computes every pair of a packed row; a lone sample runs causal
+            quad, packed = attn, attn * (2.0 if causal else 1.0)
         else:
             quad, packed = attn, 0.0
         pm = DEFAULT_PER_MICRO_TOKENS * linear if per_micro is None else \

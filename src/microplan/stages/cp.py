@@ -278,7 +278,8 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     nb = layout.width.size
     tokens = np.bincount(layout.bin_of, weights=batch.seq_lens[kept], minlength=nb)
-    body = bin_costs(cfg.cost, np.bincount(layout.bin_of, weights=c, minlength=nb), tokens)  # type: ignore[arg-type]
+    body = bin_costs(cfg.cost, np.bincount(layout.bin_of, weights=c, minlength=nb), tokens,  # type: ignore[arg-type]
+                     np.bincount(layout.bin_of, minlength=nb))
     body -= cfg.cost.per_micro  # type: ignore[union-attr]
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
     body[empty] = cfg.cost.micro_cost([1]) - cfg.cost.per_micro  # type: ignore[union-attr]
@@ -326,7 +327,7 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     tokens = np.bincount(fit.bin_of, weights=lens, minlength=groups * K)
     micro_cost = bin_costs(cfg.cost, np.bincount(fit.bin_of, weights=c, minlength=groups * K),  # type: ignore[arg-type]
-                           tokens) - cfg.cost.per_micro  # type: ignore[union-attr]
+                           tokens, np.bincount(fit.bin_of, minlength=groups * K)) - cfg.cost.per_micro  # type: ignore[union-attr]
     placed = arrange(micro_cost, groups, K)
     bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
     grid: list[list[Micro]] = []

@@ -223,7 +223,8 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     nb = D * K
-    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb))
+    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
+                   np.bincount(bin_of, minlength=nb))
     width = cfg.static_cp_size
     if width > 1:
         mc = (mc - cost.per_micro) / width + cost.per_micro

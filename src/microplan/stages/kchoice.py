@@ -6,7 +6,10 @@ kernels, pq·T² for a dense masked kernel; g convex with g(0) = 0). For B non-e
 micro-batches holding N tokens, convexity gives Σ_b g(T_b) >= B·g(N/B) (Jensen), so with G
 GPUs and B <= min(dp·K, n) micro-batches the step time under either sync mode is at least
 
-    LB(K) = max( (Σ s + B·g(N/B)) / G + K·per_micro ,  max_i (s(L_i) + g(L_i)) / c_max + per_micro ).
+    LB(K) = max( (Σ s + B·g((N − N_B)/B)) / G + K·per_micro ,  max_i s(L_i) / c_max + per_micro )
+
+(the packed term is paid only by micro-batches of two or more samples, so at most B samples —
+the longest, N_B tokens — escape it).
 
 - Additive costs (g ≡ 0): LB is non-decreasing in K, so the fewest micro-batches that fit the
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows only when packing fails.
@@ -45,7 +48,7 @@ def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarr
     nb = dp * K
     additive = np.bincount(bin_of, weights=costs, minlength=nb)
     tokens = np.bincount(bin_of, weights=lens, minlength=nb)
-    mc = bin_costs(cost, additive, tokens)
+    mc = bin_costs(cost, additive, tokens, np.bincount(bin_of, minlength=nb))
     if width > 1:
         mc = (mc - cost.per_micro) / width + cost.per_micro
     grid = arrange(mc, dp, K)
@@ -87,19 +90,23 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
     B = np.minimum(bins_per_k * Ks, n).astype(np.float64)
     lf = lens.astype(np.float64)
     body = np.full(Ks.size, S)
-    one = costs
+    top_one = float(costs.max()) if single is None else single
     if not is_additive(cost):
+        # dense kernel: a pack of >= 2 samples pays linear·T + g(T) and no per-sample attention; at
+        # most B samples (the longest: N_B tokens) sit alone, so the packs hold >= N − N_B tokens
         g = cost.packed_costs  # type: ignore[attr-defined]
-        each = g(lf)
-        jensen = B * g(N / B)
-        body = body + (jensen if single is not None else np.maximum(jensen, float(each.sum())))  # T_b >= L_i
-        one = costs + each
-    top_one = float(one.max()) if single is None else single
+        lin = float(getattr(cost, "linear", 0.0))
+        top = np.cumsum(np.sort(lf)[::-1])
+        alone = top[np.minimum(B.astype(np.int64), n) - 1]
+        body = np.full(Ks.size, lin * N)
+        if single is None:  # (with prefix segments a lone micro-batch holds a whole path: no bound kept)
+            body = body + B * g(np.maximum(N - alone, 0.0) / B)
+            top_one = float(np.minimum(costs, lin * lf + g(lf)).max())
     lb = np.maximum(body / gpus + Ks * pm, top_one / max_width + pm)
     if lockstep and single is None and cap is not None and max_width == 1 and bins_per_k > 1 and n > 1:
         D = bins_per_k
-        top = int(np.argmax(one))
-        M = float(one[top]) + pm
+        top = int(np.argmax(costs))
+        M = float(costs[top]) + pm
         rest = np.delete(np.arange(n), top)
         dens = costs[rest] / lf[rest]
         order = np.argsort(-dens, kind="stable")

@@ -45,12 +45,12 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
     T = np.bincount(bin_of, weights=lens, minlength=nb)
     cnt = np.bincount(bin_of, minlength=nb)
     real = cnt > 0
-    c_of = lambda a, t: bin_costs(cost, a, t)  # noqa: E731
-    C = np.where(real, c_of(A, T), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
+    c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
+    C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
     lens_f = lens.astype(np.float64)
     iters = max_iters if max_iters is not None else min(2 * K + 16, 64)
     floor = max(float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D,  # nothing beats the mean
-                float(bin_costs(cost, costs, lens_f).max()))
+                float(bin_costs(cost, costs, lens_f, 1).max()))
     stuck: set[int] = set()
     best_obj, since = np.inf, 0
     for _ in range(iters):
@@ -91,7 +91,7 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             cnt[src] -= 1
             cnt[dst] += 1
         for x in (a, b):
-            C[x] = c_of(A[x:x + 1], T[x:x + 1])[0]
+            C[x] = c_of(A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
     return bin_of
 
 
@@ -145,8 +145,8 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
     ci, li = costs[members], lens[members]
     best: tuple[float, int, int, int] | None = None
     if members.size > 1:  # moves: sample i of a -> bin b
-        new_a = np.broadcast_to(bin_costs(cost, A[a] - ci, T[a] - li)[:, None], (ci.size, recv.size))
-        new_b = bin_costs(cost, A[recv][None] + ci[:, None], T[recv][None] + li[:, None])
+        new_a = np.broadcast_to(bin_costs(cost, A[a] - ci, T[a] - li, cnt[a] - 1)[:, None], (ci.size, recv.size))
+        new_b = bin_costs(cost, A[recv][None] + ci[:, None], T[recv][None] + li[:, None], cnt[recv][None] + 1)
         fits = T[recv][None] + li[:, None] <= cap
         other_max = slot_max[slot_of[recv]][None]
         d_same = np.maximum(np.maximum(new_a, new_b), rest_m[None]) - top
@@ -163,8 +163,8 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
         ob = bin_of[others]
         cj, lj = costs[others], lens[others]
         pos = np.searchsorted(recv, ob)
-        new_a = bin_costs(cost, A[a] - ci[:, None] + cj[None], T[a] - li[:, None] + lj[None])
-        new_b = bin_costs(cost, (A[ob] - cj)[None] + ci[:, None], (T[ob] - lj)[None] + li[:, None])
+        new_a = bin_costs(cost, A[a] - ci[:, None] + cj[None], T[a] - li[:, None] + lj[None], cnt[a])
+        new_b = bin_costs(cost, (A[ob] - cj)[None] + ci[:, None], (T[ob] - lj)[None] + li[:, None], cnt[ob][None])
         fits = (T[a] - li[:, None] + lj[None] <= cap) & ((T[ob] - lj)[None] + li[:, None] <= cap)
         rm = rest_m[pos][None]
         om = slot_max[slot_of[ob]][None]

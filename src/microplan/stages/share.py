@@ -195,7 +195,8 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
     trees = [micro_tree(parent, shared, lens, m) if m else None for m in members]
     U = np.array([t.num_tokens if t else 0 for t in trees], dtype=np.float64)
     D2 = np.array([t.depth_sq if t else 0 for t in trees], dtype=np.float64)
-    grid = arrange(bin_costs(cost, cost.tree_costs(U, D2), U), D, K)  # type: ignore[union-attr,arg-type]
+    counts = np.array([len(m) for m in members], dtype=np.int64)
+    grid = arrange(bin_costs(cost, cost.tree_costs(U, D2), U, counts), D, K)  # type: ignore[union-attr,arg-type]
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = np.zeros(batch.num_samples)
     scale[kept] = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)

@@ -1,7 +1,7 @@
 """Measure a model's micro-batch cost: ``profile_cost(run_micro, *, max_tokens_per_micro) -> CalibrationResult``.
 
 Design note. The cost model is linear in four features of a micro-batch, ``[Σ L, Σ L², T², 1]``
-(``microplan.cost.models``). Timing micro-batches the planner would make (all near the cap, all
+with the dense-kernel regime pricing packs by T² and lone samples by L² (``microplan.cost.models``). Timing micro-batches the planner would make (all near the cap, all
 alike) cannot separate them; the profiler therefore times a *designed* set of compositions:
 
 1. Design (:func:`profile_design`). For the cap C: single samples of C, C/2, C/4, C/8 (Σ L² = T²:
@@ -18,9 +18,10 @@ alike) cannot separate them; the profiler therefore times a *designed* set of co
    is the median over passes. CUDA: events + synchronize (:func:`microplan.torch.time_call`);
    CPU: ``perf_counter``. ``time_budget_s`` stops adding passes once the next would overrun it.
 4. Fit with :func:`microplan.calibrate` (relative least squares, nonnegative), then predict the
-   held-out compositions and classify the attention regime from the fit: ``"linear"`` when
-   attention is under 3 % of a cap-long sample's time, else ``"packed"`` when the packed-row T²
-   term outweighs the per-sample Σ L² term at the cap, else ``"varlen"``.
+   held-out compositions and classify the attention regime from the fit: the regime calibrate
+   chose (``"packed"``: a dense kernel, T² over packs and a cheaper unmasked causal path for a
+   lone sample; ``"varlen"``: Σ L² everywhere), or ``"linear"`` when attention is under 3 % of a
+   cap-full micro-batch's time.
 
 Guarantees: every fitted coefficient is >= 0; the result carries R², the held-out median/max
 relative error, the regime and every timed row (``rows``: lengths, per-pass seconds, median,
@@ -145,7 +146,7 @@ def check_identifiable(compositions: Sequence[Sequence[int]], *, packed: bool | 
         raise PlanError(f"{what}: {len(comps)} composition(s) for {len(cols)} coefficients; time at least "
                         f"{len(cols)} (the default design times ~12): " + "; ".join(_ADVICE[_TERM[FEATURES[j]]]
                                                                                 for j in cols) + ".")
-    X = np.array([micro_features(c) for c in comps])[:, cols]
+    X = np.array([micro_features(c, dense=packed is not False) for c in comps])[:, cols]
     norms = np.linalg.norm(X, axis=0)
     A = X / np.where(norms > 0, norms, 1.0)
     A = A / np.linalg.norm(A, axis=1, keepdims=True)
@@ -164,14 +165,15 @@ def check_identifiable(compositions: Sequence[Sequence[int]], *, packed: bool | 
 
 
 def attention_regime(cost: CostModel, max_tokens_per_micro: int) -> str:
-    """``"linear"``, ``"varlen"`` or ``"packed"``: which attention term the cost shows at the cap (module note)."""
+    """``"linear"``, ``"varlen"`` or ``"packed"``: the kernel regime of the fit, and whether its
+    attention is worth a term at the cap (>= 3 % of a cap-full micro-batch's time)."""
     C = float(max_tokens_per_micro)
-    single = float(cost.micro_cost([C]))
-    varlen = float(getattr(cost, "quadratic", 0.0)) * C * C / single
-    packed = float(getattr(cost, "packed_quadratic", 0.0)) * C * C / single
-    if varlen + packed < _LINEAR_SHARE:
-        return "linear"
-    return "packed" if packed > varlen else "varlen"
+    if getattr(cost, "packed_quadratic", 0.0) > 0:
+        half = int(C) // 2
+        share = float(cost.packed_quadratic) * C * C / float(cost.micro_cost([half, int(C) - half]))
+        return "packed" if share >= _LINEAR_SHARE else "linear"
+    share = float(getattr(cost, "quadratic", 0.0)) * C * C / float(cost.micro_cost([int(C)]))
+    return "varlen" if share >= _LINEAR_SHARE else "linear"
 
 
 def _pack(lens: Sequence[int], gen: torch.Generator, vocab: int, device: Any) -> PackedMicro:
