@@ -15,6 +15,8 @@ The core depends on numpy only; ``microplan.torch`` adds packing, loss and colle
 from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
+from .cost.vision import VisionCost
+from .footprint import LAYOUTS, Footprint
 from .errors import PlanError
 from .plan import Plan
 from .planner import plan
@@ -26,5 +28,5 @@ __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
-    "MeterReport", "__version__",
+    "MeterReport", "VisionCost", "LAYOUTS", "Footprint", "__version__",
 ]

@@ -7,13 +7,16 @@ is a :class:`PlanError` naming the field, the constraint and the fix. Units are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._checks import float_field
 from ._checks import int_field as _int_field
 from .cost.models import CostModel, FlopsCost, TokenCost, cost_from_dict
+from .cost.vision import VisionCost
 from .errors import PlanError
+from .footprint import LAYOUTS, Layout
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
 
@@ -30,6 +33,12 @@ _INT_FIX = {
     "PlanConfig.align": "set align to 1, or to Megatron's microbatch_group_size_per_vp_stage under virtual "
                         "pipeline parallelism.",
     "PlanConfig.seed": "pass a non-negative int seed.",
+    "PlanConfig.pad_to_multiple_of": "pass the multiple every sample is padded to (1: none; 2·cp for zigzag ring "
+                                     "attention, 16 for FP8/Transformer Engine kernels).",
+    "PlanConfig.pad_row_to_multiple_of": "pass the multiple the packed row is padded to (1: none; tp for "
+                                         "sequence-parallel TP, cp·tp under context parallel).",
+    "PlanConfig.max_vision_tokens_per_micro": "set it to the most vision-encoder patches one GPU may process in "
+                                              "one micro-batch, an int >= 1, or None for no vision cap.",
 }
 
 
@@ -198,6 +207,19 @@ class PlanConfig:
         loss: a :class:`Loss` (default ``Loss("token-mean")``).
         context_parallel: a :class:`ContextParallel`, or None for none.
         seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+        layout: what a micro-batch occupies on the GPU, so what the cap counts (docs/layouts.md):
+            ``"varlen"`` (one packed row, the default), ``"padded"`` (``[n, max L]``) or
+            ``"padded-2d"`` (``[n, max prompt + max response]``, prompts left- and responses
+            right-padded; needs ``Batch(prompt_lens=...)``). The cost model sees that shape.
+        pad_to_multiple_of: m: each sample occupies ⌈L/m⌉·m tokens (varlen), the row width is a
+            multiple of m (padded). 2·cp for zigzag ring attention, 16 for FP8 kernels.
+        pad_row_to_multiple_of: r: the packed row (varlen, all CP ranks together) is padded to a
+            multiple of r, counted in the cap; padded layouts round the row width up to it.
+            tp for sequence-parallel TP (cp·tp under context parallel).
+        max_vision_tokens_per_micro: most vision-encoder patches (``Batch.vision_tokens``) one
+            micro-batch may hold; None: no vision cap.
+        vision_cost: the cost of vision patches (:class:`VisionCost`); None: a patch costs like
+            an LLM token of the cost model (``linear``/``quadratic`` within each image).
     """
 
     dp_size: int
@@ -211,6 +233,12 @@ class PlanConfig:
     loss: Loss | None = None
     context_parallel: ContextParallel | None = None
     seed: int = 0
+    # -- what a micro-batch occupies on the GPU (footprint.py, docs/layouts.md) --
+    layout: Layout = "varlen"
+    pad_to_multiple_of: int = 1
+    pad_row_to_multiple_of: int = 1
+    max_vision_tokens_per_micro: int | None = None
+    vision_cost: VisionCost | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -265,6 +293,7 @@ class PlanConfig:
                                 f"of ContextParallel.max_size={cp.max_size} so power-of-two CP groups tile it; got "
                                 f"dp_size={self.dp_size}.")
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
+        _check_layout(self, set_)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -292,6 +321,7 @@ class PlanConfig:
             "loss": self.loss.to_dict(),  # type: ignore[union-attr]
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
             "seed": self.seed,
+            **_layout_dict(self),
         }
 
     @classmethod
@@ -302,4 +332,60 @@ class PlanConfig:
                    align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
-                   seed=d["seed"])
+                   seed=d["seed"], **_layout_from_dict(d))
+
+
+# -- layouts, padding rules and vision tokens (issue 11; footprint.py) ------------------------------
+
+_LAYOUT_DEFAULTS: dict[str, Any] = {"layout": "varlen", "pad_to_multiple_of": 1, "pad_row_to_multiple_of": 1,
+                                    "max_vision_tokens_per_micro": None, "vision_cost": None}
+
+
+def _check_layout(cfg: PlanConfig, set_: Any) -> None:
+    """Validate the layout fields (called at the end of ``PlanConfig.__post_init__``)."""
+    if cfg.layout not in LAYOUTS:
+        raise PlanError(f"PlanConfig.layout={cfg.layout!r} is not a layout; choose 'varlen' (one packed row), "
+                        "'padded' ([n, max L]) or 'padded-2d' ([n, max prompt + max response]).")
+    for name in ("pad_to_multiple_of", "pad_row_to_multiple_of"):
+        v = int_field(f"PlanConfig.{name}", getattr(cfg, name), minimum=1)
+        if v > 2 ** 20:
+            raise PlanError(f"PlanConfig.{name}={v} is beyond any kernel's tile (at most 2**20); "
+                            + _INT_FIX[f"PlanConfig.{name}"])
+        set_(name, v)
+    cap = None if cfg.max_tokens_per_micro is None else cfg.max_tokens_per_micro * cfg.static_cp_size
+    unit = math.lcm(cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of) if cfg.layout != "varlen" \
+        else cfg.pad_row_to_multiple_of
+    if cap is not None and unit > cap:
+        raise PlanError(f"padding to a multiple of {unit} tokens exceeds max_tokens_per_micro={cfg.max_tokens_per_micro}"
+                        f"{f' × cp size {cfg.static_cp_size}' if cfg.static_cp_size > 1 else ''}: every micro-batch "
+                        "would be over the cap; lower pad_row_to_multiple_of / pad_to_multiple_of or raise the cap.")
+    v = cfg.max_vision_tokens_per_micro
+    if v is not None:
+        set_("max_vision_tokens_per_micro", int_field("PlanConfig.max_vision_tokens_per_micro", v, minimum=1))
+        if cfg.max_tokens_per_micro is None:
+            raise PlanError("max_vision_tokens_per_micro needs dynamic batching: set max_tokens_per_micro, not "
+                            "micro_batch_size.")
+    if cfg.vision_cost is not None and not isinstance(cfg.vision_cost, VisionCost):
+        raise PlanError(f"PlanConfig.vision_cost must be a microplan.VisionCost or None, got {cfg.vision_cost!r}; "
+                        "pass e.g. vision_cost=VisionCost(linear=..., quadratic=...).")
+    cp = cfg.context_parallel
+    if cp is not None and cp.dynamic and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items()
+                                            if k != "vision_cost"):
+        raise PlanError("layouts other than plain varlen (layout, pad_to_multiple_of, pad_row_to_multiple_of, "
+                        "max_vision_tokens_per_micro) are not supported with dynamic context parallel yet; use "
+                        "ContextParallel(size=c) (fixed CP) or the defaults.")
+
+
+def _layout_dict(cfg: PlanConfig) -> dict[str, Any]:
+    """The layout fields that differ from their defaults (so older plans' JSON is unchanged)."""
+    out = {k: getattr(cfg, k) for k, d in _LAYOUT_DEFAULTS.items() if getattr(cfg, k) != d}
+    if cfg.vision_cost is not None:
+        out["vision_cost"] = cfg.vision_cost.to_dict()
+    return out
+
+
+def _layout_from_dict(d: dict[str, Any]) -> dict[str, Any]:
+    out = {k: d.get(k, v) for k, v in _LAYOUT_DEFAULTS.items()}
+    if out["vision_cost"] is not None:
+        out["vision_cost"] = VisionCost.from_dict(out["vision_cost"])
+    return out

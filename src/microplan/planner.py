@@ -5,20 +5,26 @@ by predicted time, pack under the cap, apply short_step), arrange the dp·K micr
 the ranks × slots grid, and weigh every sample. No I/O, no collectives, no global state: any
 process that holds the same batch and config computes the same plan, bit for bit. Measured: a
 16,384-sample step at dp=128 plans in ~25 ms (benchmarks/bench_speed.py).
+
+Layouts: one :class:`~microplan.footprint.Footprint` per plan says what a micro-batch occupies
+(padding, padded rows, vision tokens); the packers, the arrangement and every Micro use it.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
-from .cost.models import bin_costs
 from .errors import PlanError
+from .footprint import Footprint, check_fits, footprint_of, micro_footprint
 from .plan import Plan
 from .stages.assign import arrange
 from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
+from .stages.layout import step_layout
 from .stages.micros import binned_micros
 from .stages.steps import split_steps
 from .stages.weigh import loss_coefficients, loss_scales
@@ -34,10 +40,12 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
     if not isinstance(config, PlanConfig):
         raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
     dynamic_cp = config.context_parallel is not None and config.context_parallel.dynamic
-    step_planner = plan_dynamic_cp_step if dynamic_cp else _plan_step
+    fp = footprint_of(batch, config)
+    check_fits(fp, config)
+    step_planner = plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
     split = split_steps(batch, config.steps)
     assert config.cost is not None
-    costs = config.cost.sample_costs(batch.seq_lens)
+    costs = fp.sample_costs(config.cost)
     reasons = {int(i): split.reason for i in split.dropped}
     steps: list[Step] = []
     for samples in split.steps:
@@ -49,21 +57,21 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
 
 
 def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
-               cfg: PlanConfig) -> tuple[Step, np.ndarray, str]:
-    lens = batch.seq_lens[samples]
-    fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg)
+               cfg: PlanConfig, *, fp: Footprint) -> tuple[Step, np.ndarray, str]:
+    lens = fp.sample_tokens[samples]  # what each sample occupies (padding included)
+    fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg,
+                   step_layout(micro_footprint(fp), samples, cfg))
     kept = samples[fit.kept]
     D, K = cfg.dp_size, fit.micro_count
-    micro_cost = bin_costs(cfg.cost, np.bincount(fit.bin_of, weights=costs[kept], minlength=D * K),  # type: ignore[arg-type]
-                           np.bincount(fit.bin_of, weights=batch.seq_lens[kept], minlength=D * K))
+    micro_cost = fp.bin_costs(cfg.cost, kept, fit.bin_of, D * K)  # type: ignore[arg-type]
     grid = arrange(micro_cost, D, K)
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     bins = binned_micros(kept, fit.bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
-    trusted = Micro._trusted
-    micros = [[trusted(*bins[b], cp, 0, (r,)) for b in grid[r].tolist()] for r in range(D)]
+    trusted, mfp = Micro._trusted, micro_footprint(fp)
+    micros = [[trusted(*bins[b], cp, 0, (r,), mfp) for b in grid[r].tolist()] for r in range(D)]
     dropped = samples[fit.dropped]
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")

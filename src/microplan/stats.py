@@ -1,9 +1,11 @@
 """Predicted times and bounds of a plan under its cost model (see PlanStats for definitions).
 
-A micro-batch costs its cost model's ``micro_cost`` (samples' additive cost, the packed-row
-term in its total T, and ``per_micro``); over a CP group of c GPUs each GPU does 1/c of the
-token work: (micro_cost − per_micro) / c + per_micro. A placeholder runs one dummy token
-(so it never costs more than a real micro-batch). The lower bound of a step is
+A micro-batch costs its cost model's ``micro_cost`` of the shape its layout gives it
+(``footprint.py``: padded sample lengths and the row pad, or n rows of the padded width; plus
+vision work), with the packed-row term in its total T, and ``per_micro``; over a CP group of c
+GPUs each GPU does 1/c of the token work: (micro_cost − per_micro) / c + per_micro. A
+placeholder runs one dummy token (so it never costs more than a real micro-batch).
+``max_micro_tokens`` is the footprint per GPU: ⌈tokens held, padding included / cp_size⌉. The lower bound of a step is
 min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
 max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro).
 
@@ -20,28 +22,28 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .cost.models import bin_costs
+from .footprint import Footprint, footprint_of, packing_cap
 from .stages.kchoice import best_lower_bound
 from .types import PlanStats, Step, StepStats
 
 __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid"]
 
 
-def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
+def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
     """``cost[r, m]`` of every micro-batch of one step, on the GPU(s) of rank r."""
     cost = config.cost
     assert cost is not None
+    fp = footprint_of(batch, config) if fp is None else fp
     D, K = step.dp_size, step.micro_count
     flat = [m for row in step.micros for m in row]
     sizes = np.array([m.indices.size for m in flat], dtype=np.int64)
     idx = np.concatenate([m.indices for m in flat]) if flat else np.zeros(0, dtype=np.int64)
     owner = np.repeat(np.arange(len(flat)), sizes)
-    lens = batch.seq_lens[idx]
-    additive = np.bincount(owner, weights=cost.sample_costs(lens), minlength=len(flat))
-    tokens = np.bincount(owner, weights=lens, minlength=len(flat)).astype(np.float64)
+    body = fp.bin_costs(cost, idx, owner, len(flat))
     empty = sizes == 0  # placeholders: one dummy token
-    additive[empty] = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
-    tokens[empty] = 1.0
-    body = bin_costs(cost, additive, tokens) - cost.per_micro
+    one = np.ones(1, dtype=np.float64)
+    body[empty] = bin_costs(cost, cost.sample_costs(one), one)[0]
+    body = body - cost.per_micro
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
     return (body / width + cost.per_micro).reshape(D, K)
 
@@ -51,11 +53,16 @@ def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
     return step_cost_grid(plan.batch, plan.config, plan.steps[step_index])  # type: ignore[attr-defined]
 
 
-def _k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
+def _k_lower_bound(cfg: PlanConfig, n: int, tokens: int, vision: int = 0) -> int:
+    """⌈occupied tokens / (dp · cap)⌉ (and the same for vision tokens); static: ⌈n / (dp · mbs)⌉."""
     if cfg.micro_batch_size is not None:
         return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)))
-    assert cfg.max_tokens_per_micro is not None
-    return max(1, -(-tokens // (cfg.dp_size * cfg.static_cp_size * cfg.max_tokens_per_micro)))
+    cap = packing_cap(cfg)
+    assert cap is not None
+    k = max(1, -(-tokens // (cfg.dp_size * cap)))
+    if vision and cfg.max_vision_tokens_per_micro is not None:
+        k = max(k, -(-vision // (cfg.dp_size * cfg.max_vision_tokens_per_micro)))
+    return k
 
 
 def _max_cp(cfg: PlanConfig) -> int:
@@ -65,14 +72,17 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def _step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
-    """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP)."""
+def _step_lower_bound(fp: Footprint, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
+    """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
+
+    Each sample counts at the tokens it occupies alone (padding to its multiple, its padded
+    width), which every plan of the config must run, so the bound holds for every layout."""
     cost = cfg.cost
     assert cost is not None
     if not idx.size:
         return 0.0
-    lens = batch.seq_lens[idx]
-    return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,
+    lens = fp.sample_tokens[idx]
+    return best_lower_bound(fp.sample_costs(cost, idx), lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost)
 
 
@@ -82,17 +92,19 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
     cost = cfg.cost
     assert cost is not None
     lens = batch.seq_lens
+    fp = footprint_of(batch, cfg)
     per_step: list[StepStats] = []
     rank_total = np.zeros(cfg.dp_size)
     max_tokens = 0
     for step in steps:
-        grid = step_cost_grid(batch, cfg, step)
+        grid = step_cost_grid(batch, cfg, step, fp)
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        k_lb = _k_lower_bound(cfg, n, tokens)
-        lb = _step_lower_bound(batch, cfg, idx, k_lb)
-        step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
+        k_lb = _k_lower_bound(cfg, n, int(fp.sample_tokens[idx].sum()), fp.vision(idx))
+        lb = _step_lower_bound(fp, cfg, idx, k_lb)
+        step_max = max((-(-(fp.tokens(m.indices) if m.indices.size else 0) // m.cp_size)
+                        for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         per_step.append(StepStats(
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
