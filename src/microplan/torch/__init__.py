@@ -31,10 +31,11 @@ from .distributed import (LocalView, Routes, collective_guard, exchange_outputs,
                           local_view, plan_distributed, routes, verify_agreement)
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
+from .padded import PaddedMicro
 from .restore import Restored, restore_order
 
 __all__ = [
-    "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
+    "PackedMicro", "PaddedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
