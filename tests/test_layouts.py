@@ -1,13 +1,11 @@
 """Layouts and padding rules in the core: what a micro-batch occupies, counted everywhere.
 
-The footprint of every micro-batch is recomputed here from the batch and the rules by hand
-(``_held``), never through ``microplan.footprint``, and checked against the cap, Micro.num_tokens,
-Plan.stats and Plan.validate.
+The footprint of every micro-batch is recomputed from the batch and the rules by hand
+(``reference.held_tokens``), never through ``microplan.footprint``, and checked against the cap,
+Micro.num_tokens, Plan.stats and Plan.validate.
 """
 
 from __future__ import annotations
-
-import math
 
 import numpy as np
 import pytest
@@ -15,24 +13,12 @@ import pytest
 import microplan as mp
 from microplan import PlanError
 from microplan.traces import generate
+from reference import held_tokens
 
 
 def _held(micro: mp.Micro, batch: mp.Batch, cfg: mp.PlanConfig) -> int:
-    """Tokens the GPU holds for ``micro``, from the rules of docs/layouts.md."""
-    if micro.is_placeholder:
-        return 0
-    L = batch.seq_lens[micro.indices]
-    m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
-    if cfg.layout == "varlen":
-        row = sum(-(-int(x) // m) * m for x in L)
-        return -(-row // r) * r
-    u = math.lcm(m, r)
-    if cfg.layout == "padded":
-        w = int(L.max())
-    else:
-        p = batch.prompt_lens[micro.indices]
-        w = int(p.max()) + int((L - p).max())
-    return len(L) * (-(-w // u) * u)
+    """Tokens the GPU holds for ``micro``, from the rules of docs/layouts.md (tests/reference.py)."""
+    return held_tokens(micro.indices.tolist(), batch.seq_lens, batch.prompt_lens, cfg)
 
 
 def _check(plan: mp.Plan) -> None:
