@@ -90,8 +90,8 @@ def make_step(family: str, dp: int, spg: int, seed: int, max_len: int | None = N
     b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed)
     pid = np.asarray(b.prompt_ids)                                      # non-decreasing
     cut = int(np.searchsorted(pid, pid[min(target, pid.size) - 1], side="right"))
-    return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_ids=pid[:cut],
-                    rollout_ids=b.rollout_ids[:cut])
+    return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_lens=b.prompt_lens[:cut],
+                    prompt_ids=pid[:cut], rollout_ids=b.rollout_ids[:cut])
 
 
 def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list[dict]:

@@ -64,6 +64,10 @@ def _config_line(cfg: PlanConfig) -> str:
     cp = cfg.context_parallel
     cpd = "" if cp is None else (f" · CP {cp.size}" if cp.size else f" · dynamic CP ≤ {cp.max_size}")
     align = f" · align {cfg.align}" if cfg.align > 1 else ""
+    pads = [f"layout {cfg.layout}"] if cfg.layout != "varlen" else []
+    pads += [f"pad to {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
+    pads += [f"row to {cfg.pad_row_to_multiple_of}"] if cfg.pad_row_to_multiple_of > 1 else []
+    align += "".join(f" · {x}" for x in pads)
     assert cfg.cost is not None and cfg.loss is not None
     return (f"dp={cfg.dp_size} · {cap}{cpd}{align} · sync={cfg.sync} · short_step={cfg.short_step} · "
             f"cost {type(cfg.cost).__name__} · loss {cfg.loss.mode}")
@@ -195,6 +199,12 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
     cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
     p.add_argument("--seed", type=_int(0), default=0, help="seed of tie-breaking")
+    p.add_argument("--layout", choices=("varlen", "padded", "padded-2d"), default="varlen",
+                   help="what a micro-batch occupies: one packed row, [n, max len], or [n, max prompt + max response]")
+    p.add_argument("--pad-to-multiple-of", type=_int(1), default=1, metavar="M",
+                   help="pad every sample to a multiple of M (2·cp for zigzag CP, 16 for FP8)")
+    p.add_argument("--pad-row-to-multiple-of", type=_int(1), default=1, metavar="R",
+                   help="pad the packed row to a multiple of R (tp for sequence-parallel TP)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -256,7 +266,8 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
           ContextParallel(max_size=args.cp_max_size) if args.cp_max_size else None)
     return PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, micro_batch_size=args.micro_batch_size,
                       steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
-                      loss=loss, context_parallel=cp, seed=args.seed)
+                      loss=loss, context_parallel=cp, seed=args.seed, layout=args.layout,
+                      pad_to_multiple_of=args.pad_to_multiple_of, pad_row_to_multiple_of=args.pad_row_to_multiple_of)
 
 
 def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:

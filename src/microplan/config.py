@@ -359,6 +359,11 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
         raise PlanError(f"padding to a multiple of {unit} tokens exceeds max_tokens_per_micro={cfg.max_tokens_per_micro}"
                         f"{f' × cp size {cfg.static_cp_size}' if cfg.static_cp_size > 1 else ''}: every micro-batch "
                         "would be over the cap; lower pad_row_to_multiple_of / pad_to_multiple_of or raise the cap.")
+    m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
+    if cfg.layout == "varlen" and cfg.static_cp_size > 1 and m > 1 and r > 1 and r % m:
+        raise PlanError(f"under context parallel the row's trailing pad sequence must split like a sample (zigzag "
+                        f"chunks): pad_row_to_multiple_of={r} must be a multiple of pad_to_multiple_of={m}; use "
+                        f"{math.lcm(m, r)}.")
     v = cfg.max_vision_tokens_per_micro
     if v is not None:
         set_("max_vision_tokens_per_micro", int_field("PlanConfig.max_vision_tokens_per_micro", v, minimum=1))
