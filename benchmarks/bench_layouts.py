@@ -19,7 +19,6 @@ Run: ``python -m benchmarks.bench_layouts [--quick]``. Prints the table and writ
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import socket
 import sys
@@ -34,7 +33,9 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import microplan as mp  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
-from benchmarks.bench_planners import FAMILIES, SPG, _agg, _mw, make_step  # noqa: E402
+from benchmarks.bench_planners import FAMILIES, SPG, _agg, _mw, bench_args, group_rows, make_step  # noqa: E402
+from benchmarks.bench_planners import COLUMNS as _PLANNER_COLUMNS  # noqa: E402
+from benchmarks.bench_planners import format_table as _format_table  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, padded_step_metrics, step_metrics  # noqa: E402
 from benchmarks.peers.padded import plan_fixed_mbs, plan_sorted_buckets, plan_unirl_2d  # noqa: E402
 
@@ -92,11 +93,9 @@ def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list
 
 
 def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> list[dict]:
-    groups: dict[tuple, list[dict]] = {}
-    for r in rows:
-        groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    """Median and worst of every column per group of ``keys``."""
     out = []
-    for key, rs in groups.items():
+    for key, rs in group_rows(rows, keys).items():
         s = dict(zip(keys, key), cases=len(rs))
         for col in ("over_cap", "max_tokens_ratio", "waste", "lockstep_ratio", "real_ratio", "ms", "K"):
             s[col] = _agg([r[col] for r in rs])
@@ -108,30 +107,19 @@ def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -
     return out
 
 
-COLUMNS = [("over-cap", 9, lambda s: _mw(s["over_cap"], ".0f")),
-           ("tok/cap", 9, lambda s: _mw(s["max_tokens_ratio"], ".2f")),
+_SHARED = {name: col for col in _PLANNER_COLUMNS for name in (col[0],)}  # bench_planners' cells
+COLUMNS = [_SHARED["over-cap"], _SHARED["tok/cap"],
            ("padded/real", 13, lambda s: _mw(s["waste"], ".3f")),
-           ("equal", 5, lambda s: f"{100 * s['equal']:.0f}%"),
-           ("empty", 7, lambda s: _mw(s["empties"], ".0f")),
-           ("lost/dup", 8, lambda s: f"{s['lost']}/{s['dup']}"),
+           _SHARED["equal"], _SHARED["empty"], _SHARED["lost/dup"],
            ("K", 7, lambda s: _mw(s["K"], ".0f")),
            ("lockstep/LB_pad", 15, lambda s: _mw(s["lockstep_ratio"], ".4f")),
            ("lockstep/LB_real", 16, lambda s: _mw(s["real_ratio"], ".4f")),
-           ("plan ms", 13, lambda s: _mw(s["ms"], ".1f"))]
+           _SHARED["plan ms"]]
 
 
 def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> str:
-    widths = [max(len(k), *(len(str(s[k])) for s in summary)) for k in keys]
-    head = "  ".join(k.ljust(w) for k, w in zip(keys, widths)) + "  " + "  ".join(n.rjust(w) for n, w, _ in COLUMNS)
-    lines = [head, "-" * len(head)]
-    last = None
-    for s in summary:
-        if last is not None and s[keys[0]] != last:
-            lines.append("")
-        last = s[keys[0]]
-        lines.append("  ".join(str(s[k]).ljust(w) for k, w in zip(keys, widths)) + "  "
-                     + "  ".join(f(s).rjust(w) for _, w, f in COLUMNS))
-    return "\n".join(lines)
+    """Fixed-width table of this benchmark's columns (bench_planners.format_table)."""
+    return _format_table(summary, keys, COLUMNS)
 
 
 def check_targets(summary: list[dict]) -> list[str]:
@@ -149,13 +137,7 @@ def check_targets(summary: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="dp 8 and 32, 3 seeds")
-    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
-    ap.add_argument("--planners", nargs="*", default=list(PLANNERS))
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    args = ap.parse_args(argv)
-    dps, seeds = ((8, 32), range(3)) if args.quick else ((8, 16, 32), range(6))
+    args, dps, seeds = bench_args(argv, __doc__, list(PLANNERS), (8, 16, 32))
     cost = dense_7b_cost()
     rows = []
     for fam in args.families:

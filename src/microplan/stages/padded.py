@@ -26,9 +26,13 @@ length). For a given number of bins m:
 Guarantees: every bin non-empty (placeholders only when the step has fewer samples than dp·K),
 within the cap counting padding and within the vision cap; deterministic. The 2D width of a
 run is the max prompt plus the max response over the run, exactly what ``pack_micro`` builds.
-Measured (benchmarks/bench_layouts.py, 7B cost, long-tailed and step-wise families, dp 8–32):
-padded/real tokens 1.004–1.04 and lockstep/LB (in padded cost) 1.00–1.07, vs 1.2–1.7 waste for
-fixed micro_batch_size. Cost: O(n log n) per τ, ~40 τ per K, a few K: tens of ms at n = 2k.
+Measured (benchmarks/bench_layouts.py, 7B cost, long-tailed and step-wise families, dp 8–32,
+medians): 1.013–1.017 padded/real tokens, 0 micro-batches over the cap, lockstep 1.056–1.063×
+the varlen lower bound (NeMo-RL's sorted buckets: 1.19–1.20 padded/real, 1.26–1.33×; a fixed
+micro_batch_size: 3.7–3.8×). Trade-off: balance within the padded cost is 1.04–1.05× its own
+bound — a padded micro-batch costs a whole multiple of its row, so with 2–10 samples per
+micro-batch slots cannot be evened finer. Cost: O(n log n) per τ, ~30 τ per K, a few K: 15–40 ms
+at n = 0.1–2k (2D: 75–300 ms).
 """
 
 from __future__ import annotations
