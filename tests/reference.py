@@ -97,9 +97,28 @@ def check_num_steps(plan: mp.Plan, pc: np.ndarray, k: int, fit_dropped_ok: bool)
 # ---------------------------------------------------------------------------------------------
 
 
+def trie_size(token_ids: list[np.ndarray], idx: list[int]) -> int:
+    """Distinct prefixes among the samples ``idx``: the tokens their prefix trie holds, counted from
+    the token ids themselves (a nested-dict trie), independently of microplan.prefix."""
+    root: dict = {}
+    nodes = 0
+    for i in idx:
+        node = root
+        for tok in token_ids[i].tolist():
+            nxt = node.get(tok)
+            if nxt is None:
+                nxt = node[tok] = {}
+                nodes += 1
+            node = nxt
+    return nodes
+
+
 def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc: np.ndarray, rc: np.ndarray,
-               cfg: mp.PlanConfig) -> dict[str, Any]:
-    """Assert invariants 1–5 of DESIGN.md on ``plan``; return per-sample step and micro info."""
+               cfg: mp.PlanConfig, token_ids: list[np.ndarray] | None = None) -> dict[str, Any]:
+    """Assert invariants 1–5 of DESIGN.md on ``plan``; return per-sample step and micro info.
+
+    With ``cfg.share_prefixes`` the tokens a micro-batch holds are its samples' trie, counted from
+    ``token_ids`` (required then): the cap applies to that count."""
     n = seq_lens.size
     dp, align = cfg.dp_size, cfg.align
     cp = cfg.context_parallel
@@ -145,6 +164,11 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                     if loss_tokens[i] == 0:
                         assert micro.loss_scale[j] == 0.0
                 tokens = held_tokens(idx, seq_lens, plan.batch.prompt_lens, cfg)  # padding included
+                if getattr(cfg, "share_prefixes", False):
+                    assert token_ids is not None, "check_plan needs token_ids for a prefix-sharing plan"
+                    shared = trie_size(token_ids, idx)
+                    assert shared <= tokens
+                    tokens = shared
                 assert micro.num_tokens == tokens
                 assert micro.real_tokens == sum(int(seq_lens[i]) for i in idx)
                 if cfg.max_tokens_per_micro is not None:  # invariant 3 (per GPU of the CP group)
@@ -210,6 +234,14 @@ def sample_costs(cost: Any, lens: np.ndarray) -> np.ndarray:
     return cost.linear * L + cost.quadratic * L * L
 
 
+def micro_body(cost: Any, lens: Any) -> float:
+    """One micro-batch's cost without per_micro, from the public fields: Σ per-sample terms plus the
+    packed-row term packed_quadratic·T² (DESIGN: "a cost may be non-additive over the samples")."""
+    L = np.asarray(lens, dtype=np.float64)
+    T = float(L.sum())
+    return float(sample_costs(cost, L).sum()) + float(getattr(cost, "packed_quadratic", 0.0)) * T * T
+
+
 def grad_world(cfg: mp.PlanConfig) -> int:
     """W of DESIGN.md: dp × static CP degree; under dynamic CP every rank of the plane (dp)."""
     cp = cfg.context_parallel
@@ -226,7 +258,7 @@ def step_times(plan: mp.Plan, s: int) -> tuple[float, float]:
     placeholder is one dummy token."""
     cfg, step = plan.config, plan.steps[s]
     cost = cfg.cost
-    dummy = float(sample_costs(cost, np.ones(1))[0])
+    dummy = micro_body(cost, [1])
     grid = np.zeros((step.dp_size, step.micro_count))
     lens, plens = plan.batch.seq_lens, plan.batch.prompt_lens
     for r, row in enumerate(step.micros):
@@ -235,7 +267,7 @@ def step_times(plan: mp.Plan, s: int) -> tuple[float, float]:
                 body = dummy / micro.cp_size
             else:
                 shape = np.array(micro_shape(micro.indices.tolist(), lens, plens, cfg))
-                body = float(sample_costs(cost, shape).sum()) / micro.cp_size
+                body = micro_body(cost, shape) / micro.cp_size
             grid[r, m] = body + cost.per_micro
     return float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())
 
@@ -333,13 +365,15 @@ class Optimum:
 
 
 def brute_force(lens: list[int], costs: list[float], *, dp: int, align: int, cap: int | None = None,
-                mbs: int | None = None, per_micro: float = 0.0, dummy: float = 1.0) -> Optimum:
+                mbs: int | None = None, per_micro: float = 0.0, dummy: float = 1.0, packed: float = 0.0) -> Optimum:
     """Exhaustive optimum over all assignments of ≤ 8 samples into dp·K bins.
 
     A bin (micro-batch) costs Σ sample costs + per_micro; an empty bin is a placeholder and
     costs dummy + per_micro (one dummy token), as in PlanStats. Bins may hold at most ``cap``
     tokens (dynamic) or ``mbs`` samples (static). K ranges over multiples of ``align``.
     Samples are enumerated as set partitions (bin labels only matter through the grid).
+    ``packed`` adds packed·T² per micro-batch (T its tokens; the dummy's T is 1); then only the
+    lockstep optimum is computed (step_sync is NaN).
     """
     n = len(lens)
     assert 1 <= n <= 8
@@ -371,7 +405,8 @@ def brute_force(lens: list[int], costs: list[float], *, dp: int, align: int, cap
         for p in parts:
             if len(p) > dp * K:
                 continue
-            micro = [sum(costs[i] for i in b) + per_micro for b in p] + [dummy + per_micro] * (dp * K - len(p))
+            micro = [sum(costs[i] for i in b) + packed * sum(lens[i] for i in b) ** 2 + per_micro for b in p] \
+                + [dummy + packed + per_micro] * (dp * K - len(p))
             t = lockstep_sorted_blocks(micro, dp)
             lock_best = min(lock_best, t)
             if K == k_min:
@@ -381,6 +416,8 @@ def brute_force(lens: list[int], costs: list[float], *, dp: int, align: int, cap
     # min(K, |X|) real micro-batches (feasible iff min_bins(X) <= K) and the rest placeholders.
     # K above max(k_min, n) only adds placeholders to every rank.
     sync_best, sync_kmin = math.inf, math.inf
+    if packed:
+        return Optimum(k_min, k_min_full, lock_best, math.nan, lock_kmin, math.nan)
     rank_parts = [p for p in set_partitions(items) if len(p) <= dp]
     for K in range(k_min, max(k_min, aligned(n)) + 1, align):
         for p in rank_parts:
@@ -582,7 +619,10 @@ def configs(draw, case: Case, *, cp: bool = True, max_dp: int = 256) -> mp.PlanC
         size = dict(micro_batch_size=draw(st.integers(1, 16)))
     cost = draw(st.sampled_from([mp.TokenCost(), mp.TokenCost(per_micro=64.0),
                                  mp.FlopsCost(linear=1.0, quadratic=1e-3, per_micro=10.0),
-                                 mp.FlopsCost(linear=0.0, quadratic=1.0)]))
+                                 mp.FlopsCost(linear=0.0, quadratic=1.0),
+                                 # non-additive: a dense kernel over the packed row (T² per micro-batch)
+                                 mp.FlopsCost(linear=1.0, packed_quadratic=1e-3, per_micro=40.0),
+                                 mp.FlopsCost(linear=1.0, quadratic=5e-4, packed_quadratic=5e-4, per_micro=5.0)]))
     return mp.PlanConfig(dp_size=dp, steps=steps, align=align, short_step=draw(st.sampled_from(["pad", "drop", "error"])),
                          cost=cost, sync=draw(st.sampled_from(["micro", "step"])), loss=loss_strategy(draw),
                          seed=draw(st.integers(0, 3)), **size)

@@ -215,3 +215,25 @@ def test_plot_placeholders_and_errors(tmp_path: Path, monkeypatch: pytest.Monkey
 def test_human_numbers() -> None:
     assert [human(x) for x in (0, 950, 14942, 2.5e6, 0.25)] == ["0", "950", "14.9k", "2.5M", "0.25"]
     assert human(1098765, 4) == "1.099M"
+
+
+def test_plan_with_hf_config_and_packed_kernel(tmp_path: Path, trace: Path, capsys: pytest.CaptureFixture) -> None:
+    """--hf-config derives the cost (FlopsCost.from_hf_config); under the dense packed-row kernel the
+    planner runs more micro-batches than the cap needs and the summary says why."""
+    cfg = {"model_type": "llama", "hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 8,
+           "intermediate_size": 4096, "vocab_size": 32000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "16384", "--hf-config", str(path),
+                 "--attention", "sdpa-packed", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "why K (step 0)" in text and "packed-row" in text
+    plan = read_plan(out)
+    assert plan.config.cost == mp.FlopsCost.from_hf_config(cfg, attention="sdpa-packed")
+    assert plan.steps[0].micro_count > plan.steps[0].choice.lower_bound
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "16384", "--hf-config", str(path),
+                 "--quadratic", "1"]) == 2
+    assert "drop --linear" in capsys.readouterr().err
+    assert main(["plan", str(trace), "--dp", "4", "--max-tokens", "16384", "--cost", "flops",
+                 "--packed-quadratic", "1e-4", "--per-micro", "100"]) == 0

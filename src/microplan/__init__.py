@@ -20,6 +20,7 @@ from .footprint import LAYOUTS, Footprint
 from .errors import PlanError
 from .plan import Plan
 from .planner import plan
+from .prefix import PrefixTree, find_shared_prefixes
 from .types import KChoice, Micro, PlanStats, Step, StepStats
 
 __version__ = "0.1.0"
@@ -28,5 +29,5 @@ __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
     "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
-    "MeterReport", "VisionCost", "LAYOUTS", "Footprint", "__version__",
+    "MeterReport", "VisionCost", "LAYOUTS", "Footprint", "find_shared_prefixes", "PrefixTree", "__version__",
 ]

@@ -97,6 +97,12 @@ class Batch:
         num_images: optional, images (or video clips) per sample, each a separate ViT attention
             window of ``vision_tokens / num_images`` patches. Default: 1 where a sample has
             patches, else 0.
+        prefix_parent / shared_prefix_lens: shared prefixes (give both or neither): sample i's
+            first ``shared_prefix_lens[i]`` tokens equal those of sample ``prefix_parent[i]``,
+            an earlier sample (-1: none, with 0 shared). The samples form a forest of prefix
+            trees (a GRPO group's prompt, the turns of an append-only trajectory, branching
+            agent rollouts); ``PlanConfig(share_prefixes=True)`` packs each shared token once.
+            :func:`microplan.find_shared_prefixes` builds the pair from token ids.
 
     Attributes:
         prompt_codes / rollout_codes: int64 dense codes (0, 1, ...) in order of first appearance.
@@ -104,7 +110,7 @@ class Batch:
     """
 
     __slots__ = ("seq_lens", "loss_tokens", "prompt_lens", "prompt_codes", "rollout_codes",
-                 "prompt_ids", "rollout_ids", "vision_tokens", "num_images")
+                 "prompt_ids", "rollout_ids", "vision_tokens", "num_images", "prefix_parent", "shared_prefix_lens")
 
     def __init__(self, seq_lens: Sequence[int] | np.ndarray, *,
                  loss_tokens: Sequence[int] | np.ndarray | None = None,
@@ -112,7 +118,9 @@ class Batch:
                  prompt_ids: Sequence[Any] | np.ndarray | None = None,
                  rollout_ids: Sequence[Any] | np.ndarray | None = None,
                  vision_tokens: Sequence[int] | np.ndarray | None = None,
-                 num_images: Sequence[int] | np.ndarray | None = None) -> None:
+                 num_images: Sequence[int] | np.ndarray | None = None,
+                 prefix_parent: Sequence[int] | np.ndarray | None = None,
+                 shared_prefix_lens: Sequence[int] | np.ndarray | None = None) -> None:
         lens = _ints("seq_lens", seq_lens, minimum=1)
         n = lens.size
         plens = None
@@ -157,6 +165,7 @@ class Batch:
         self.prompt_ids = pids
         self.rollout_ids = rids
         self.vision_tokens, self.num_images = _vision(vision_tokens, num_images, n)
+        self.prefix_parent, self.shared_prefix_lens = _prefixes(prefix_parent, shared_prefix_lens, lens)
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -170,6 +179,11 @@ class Batch:
     @property
     def num_rollouts(self) -> int:
         return int(self.rollout_codes.max()) + 1 if self.num_samples else 0
+
+    @property
+    def has_prefixes(self) -> bool:
+        """True when the batch declares shared prefixes (``prefix_parent``)."""
+        return self.prefix_parent is not None
 
     @property
     def total_tokens(self) -> int:
@@ -194,7 +208,9 @@ class Batch:
                 and self.prompt_ids == other.prompt_ids
                 and self.rollout_ids == other.rollout_ids
                 and _opt_equal(self.vision_tokens, other.vision_tokens)
-                and _opt_equal(self.num_images, other.num_images))
+                and _opt_equal(self.num_images, other.num_images)
+                and _opt_equal(self.prefix_parent, other.prefix_parent)
+                and _opt_equal(self.shared_prefix_lens, other.shared_prefix_lens))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -211,6 +227,9 @@ class Batch:
             "prompt_lens": None if self.prompt_lens is None else self.prompt_lens.tolist(),
             "prompt_ids": self.prompt_ids,
             "rollout_ids": self.rollout_ids,
+            **({} if self.prefix_parent is None else {
+                "prefix_parent": self.prefix_parent.tolist(),
+                "shared_prefix_lens": self.shared_prefix_lens.tolist()}),  # type: ignore[union-attr]
         }
         if self.vision_tokens is not None:  # only when present: older readers see the same keys
             d["vision_tokens"] = self.vision_tokens.tolist()
@@ -223,7 +242,8 @@ class Batch:
                    loss_tokens=np.asarray(d["loss_tokens"], dtype=np.int64),
                    prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
                    rollout_ids=d.get("rollout_ids"), vision_tokens=d.get("vision_tokens"),
-                   num_images=d.get("num_images"))
+                   num_images=d.get("num_images"), prefix_parent=d.get("prefix_parent"),
+                   shared_prefix_lens=d.get("shared_prefix_lens"))
 
 
 def _vision(vision_tokens: Any, num_images: Any, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -247,6 +267,45 @@ def _vision(vision_tokens: Any, num_images: Any, n: int) -> tuple[np.ndarray | N
         raise PlanError(f"sample {i} has vision_tokens={int(v[i])} but num_images={int(imgs[i])}; a sample has "
                         "patches exactly when it has images: pass num_images >= 1 with its patches, or 0 with 0.")
     return v, imgs
+
+
+def _prefixes(parent: Any, shared: Any, lens: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Validate the declared prefix forest: parents earlier, shared lengths within both samples."""
+    if parent is None and shared is None:
+        return None, None
+    if parent is None or shared is None:
+        given, missing = ("prefix_parent", "shared_prefix_lens") if shared is None else \
+            ("shared_prefix_lens", "prefix_parent")
+        raise PlanError(f"Batch got {given} without {missing}; pass both (microplan.find_shared_prefixes(token_ids) "
+                        "returns the pair), or neither.")
+    n = lens.size
+    p = int_array("prefix_parent", parent, minimum=-1)
+    s = int_array("shared_prefix_lens", shared, minimum=0)
+    _same_length("prefix_parent", p, n)
+    _same_length("shared_prefix_lens", s, n)
+    idx = np.arange(n)
+    late = p >= idx
+    if late.any():
+        i = int(np.flatnonzero(late)[0])
+        raise PlanError(f"prefix_parent[{i}]={int(p[i])} is not an earlier sample; a sample's prefix parent must come "
+                        f"before it in the batch (or be -1): reorder the batch or point at an earlier sample with "
+                        "the same prefix.")
+    orphan = (p < 0) & (s > 0)
+    if orphan.any():
+        i = int(np.flatnonzero(orphan)[0])
+        raise PlanError(f"shared_prefix_lens[{i}]={int(s[i])} but prefix_parent[{i}] is -1; a sample with no parent "
+                        "shares nothing: set its shared length to 0 or give it a parent.")
+    has = p >= 0
+    limit = np.where(has, np.minimum(lens, lens[np.where(has, p, 0)]), 0)
+    over = s > limit
+    if over.any():
+        i = int(np.flatnonzero(over)[0])
+        raise PlanError(f"shared_prefix_lens[{i}]={int(s[i])} exceeds sample {i} ({int(lens[i])} tokens) or its parent "
+                        f"sample {int(p[i])} ({int(lens[p[i]])} tokens); a shared prefix lies within both samples: "
+                        "lower it to at most the shorter length.")
+    for a in (p, s):
+        a.setflags(write=False)
+    return p, s
 
 
 def _same_length(name: str, arr: np.ndarray, n: int) -> None:

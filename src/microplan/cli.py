@@ -87,6 +87,17 @@ def _step_table(plan: Plan) -> list[str]:
     return rows
 
 
+def _choice_lines(plan: Plan) -> list[str]:
+    """Why K, for the first step whose K is not simply the lower bound (or the first step)."""
+    steps = [s for s in plan.steps if s.choice is not None]
+    if not steps:
+        return []
+    pick = next((s for s in steps if s.choice.micro_count != s.choice.lower_bound  # type: ignore[union-attr]
+                 or len(s.choice.candidates) > 1), steps[0])  # type: ignore[union-attr]
+    label = f"why K (step {pick.index})"
+    return [f"  {label:<23}: {pick.choice.reason}"]  # type: ignore[union-attr]
+
+
 def _dropped_lines(plan: Plan) -> list[str]:
     by_reason: dict[str, list[int]] = {}
     for i, why in plan.drop_reasons.items():
@@ -119,6 +130,7 @@ def format_summary(plan: Plan) -> str:
         f"step-sync {human(st.step_sync_time, 4)} = {ratio(st.step_sync_time)} · lower bound {human(lb, 4)} "
         f"{cost_units(cfg)} (sync={cfg.sync}: {used} applies)",
         f"  placeholders           : {st.num_placeholders}",
+        *_choice_lines(plan),
         f"  dropped                : {st.num_dropped:,} of {st.num_samples:,} samples",
     ]
     lines += _dropped_lines(plan)
@@ -191,10 +203,17 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--norm-constant", type=_float, metavar="H", help="H of seq-mean-token-sum-norm")
     p.add_argument("--grad-reduction", choices=("mean", "sum"), default="mean")
     p.add_argument("--engine-divides-by-micro-count", action="store_true", help="the engine divides each micro loss by K (Megatron)")
-    p.add_argument("--cost", choices=("token", "flops"), default="token", help="cost model for balancing and predicted times")
+    p.add_argument("--cost", choices=("token", "flops"), default="token",
+                   help="cost model for balancing and predicted times (--hf-config implies flops)")
     p.add_argument("--linear", type=_float, metavar="X", help="flops cost: per-token coefficient (default 1)")
     p.add_argument("--quadratic", type=_float, metavar="Y", help="flops cost: per squared-token coefficient (default 0)")
+    p.add_argument("--packed-quadratic", type=_float, metavar="Q",
+                   help="flops cost: per squared token of the packed micro-batch (dense masked attention; default 0)")
     p.add_argument("--per-micro", type=_float, metavar="Z", help="fixed cost per micro-batch (default 0)")
+    p.add_argument("--hf-config", metavar="CONFIG.json",
+                   help="derive the cost from a Hugging Face config.json (FlopsCost.from_hf_config)")
+    p.add_argument("--attention", default="hedged", metavar="KERNEL",
+                   help="with --hf-config: attention kernel preset (hedged, fa3, fa2, sdpa-packed, flops)")
     cp = p.add_mutually_exclusive_group()
     cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
     cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
@@ -250,14 +269,7 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
     steps = (Steps(prompts_per_step=args.prompts_per_step) if args.prompts_per_step else
              Steps(rollouts_per_step=args.rollouts_per_step) if args.rollouts_per_step else
              Steps(num_steps=args.num_steps) if args.num_steps else None)
-    per_micro = 0.0 if args.per_micro is None else args.per_micro
-    if args.cost == "token":
-        if args.linear is not None or args.quadratic is not None:
-            raise PlanError("--linear/--quadratic set the flops cost model; add --cost flops (or drop them).")
-        cost: TokenCost | FlopsCost = TokenCost(per_micro=per_micro)
-    else:
-        cost = FlopsCost(linear=1.0 if args.linear is None else args.linear,
-                         quadratic=0.0 if args.quadratic is None else args.quadratic, per_micro=per_micro)
+    cost = _cost_from_args(args)
     if args.loss == "seq-mean-token-sum-norm" and args.norm_constant is None:
         raise PlanError("--loss seq-mean-token-sum-norm needs --norm-constant H (e.g. the max response length).")
     loss = Loss(args.loss, grad_reduction=args.grad_reduction,
@@ -268,6 +280,31 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
                       steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
                       loss=loss, context_parallel=cp, seed=args.seed, layout=args.layout,
                       pad_to_multiple_of=args.pad_to_multiple_of, pad_row_to_multiple_of=args.pad_row_to_multiple_of)
+
+
+def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
+    """The cost model the --cost/--hf-config options describe."""
+    coef = (args.linear, args.quadratic, args.packed_quadratic)
+    if args.hf_config:
+        if any(v is not None for v in coef):
+            raise PlanError("--hf-config derives the coefficients; drop --linear/--quadratic/--packed-quadratic.")
+        import json
+        try:
+            with open(args.hf_config, encoding="utf-8") as f:
+                hf = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlanError(f"cannot read --hf-config {args.hf_config!r}: {exc}") from None
+        return FlopsCost.from_hf_config(hf, attention=args.attention, per_micro=args.per_micro)
+    per_micro = 0.0 if args.per_micro is None else args.per_micro
+    if args.cost == "token":
+        if any(v is not None for v in coef):
+            raise PlanError("--linear/--quadratic/--packed-quadratic set the flops cost model; add --cost flops "
+                            "(or drop them).")
+        return TokenCost(per_micro=per_micro)
+    return FlopsCost(linear=1.0 if args.linear is None else args.linear,
+                     quadratic=0.0 if args.quadratic is None else args.quadratic,
+                     packed_quadratic=0.0 if args.packed_quadratic is None else args.packed_quadratic,
+                     per_micro=per_micro)
 
 
 def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:

@@ -207,6 +207,10 @@ class PlanConfig:
         loss: a :class:`Loss` (default ``Loss("token-mean")``).
         context_parallel: a :class:`ContextParallel`, or None for none.
         seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+        share_prefixes: pack each micro-batch as the prefix tree of its samples (the Batch's
+            ``prefix_parent``/``shared_prefix_lens``), every shared token once: the cap counts
+            unique tokens and ``Micro.num_tokens`` is what the GPU holds. Needs dynamic batching
+            and no context parallel (for now).
         layout: what a micro-batch occupies on the GPU, so what the cap counts (docs/layouts.md):
             ``"varlen"`` (one packed row, the default), ``"padded"`` (``[n, max L]``) or
             ``"padded-2d"`` (``[n, max prompt + max response]``, prompts left- and responses
@@ -233,6 +237,7 @@ class PlanConfig:
     loss: Loss | None = None
     context_parallel: ContextParallel | None = None
     seed: int = 0
+    share_prefixes: bool = False
     # -- what a micro-batch occupies on the GPU (footprint.py, docs/layouts.md) --
     layout: Layout = "varlen"
     pad_to_multiple_of: int = 1
@@ -293,6 +298,14 @@ class PlanConfig:
                                 f"of ContextParallel.max_size={cp.max_size} so power-of-two CP groups tile it; got "
                                 f"dp_size={self.dp_size}.")
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
+        if not isinstance(self.share_prefixes, bool):
+            raise PlanError(f"PlanConfig.share_prefixes={self.share_prefixes!r} must be True or False.")
+        if self.share_prefixes and self.max_tokens_per_micro is None:
+            raise PlanError("PlanConfig.share_prefixes=True needs dynamic batching (a micro-batch holds a prefix tree "
+                            "of unique tokens, not a sample count): set max_tokens_per_micro, not micro_batch_size.")
+        if self.share_prefixes and self.context_parallel is not None:
+            raise PlanError("PlanConfig.share_prefixes=True with context_parallel is not supported yet: a prefix tree "
+                            "is not split over a CP group. Drop context_parallel, or plan without sharing.")
         _check_layout(self, set_)
 
     # -- derived -----------------------------------------------------------------------------
@@ -321,6 +334,7 @@ class PlanConfig:
             "loss": self.loss.to_dict(),  # type: ignore[union-attr]
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
             "seed": self.seed,
+            **({"share_prefixes": True} if self.share_prefixes else {}),
             **_layout_dict(self),
         }
 
@@ -332,7 +346,7 @@ class PlanConfig:
                    align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
-                   seed=d["seed"], **_layout_from_dict(d))
+                   seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)), **_layout_from_dict(d))
 
 
 # -- layouts, padding rules and vision tokens (issue 11; footprint.py) ------------------------------
@@ -373,6 +387,9 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
     if cfg.vision_cost is not None and not isinstance(cfg.vision_cost, VisionCost):
         raise PlanError(f"PlanConfig.vision_cost must be a microplan.VisionCost or None, got {cfg.vision_cost!r}; "
                         "pass e.g. vision_cost=VisionCost(linear=..., quadratic=...).")
+    if cfg.share_prefixes and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items() if k != "vision_cost"):
+        raise PlanError("share_prefixes=True packs prefix trees in one varlen row; padded layouts, padding multiples "
+                        "and a vision cap are not supported with it yet: drop them, or plan without sharing.")
     cp = cfg.context_parallel
     if cp is not None and cp.dynamic and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items()
                                             if k != "vision_cost"):

@@ -3,6 +3,7 @@
 Design note. A batch file holds one record per sample, in batch order, with the fields
 
     seq_len (required) · prompt_len · loss_tokens · prompt_id · rollout_id
+    · prefix_parent · shared_prefix_len   (shared prefixes: give both or neither)
 
 (the singular names of :class:`microplan.Batch`'s arguments; other fields are ignored, so a
 rollout dump with ``reward`` or ``text`` columns reads as is). An optional field is either in
@@ -32,9 +33,9 @@ from .plan import Plan
 
 __all__ = ["FIELDS", "FORMATS", "read_batch", "write_batch", "read_plan", "write_plan"]
 
-FIELDS = ("seq_len", "prompt_len", "loss_tokens", "prompt_id", "rollout_id")
+FIELDS = ("seq_len", "prompt_len", "loss_tokens", "prompt_id", "rollout_id", "prefix_parent", "shared_prefix_len")
 FORMATS = ("jsonl", "csv", "parquet")
-_LENGTHS = ("seq_len", "prompt_len", "loss_tokens")
+_LENGTHS = ("seq_len", "prompt_len", "loss_tokens", "shared_prefix_len")
 _EXTENSIONS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "jsonl", ".csv": "csv",
                ".parquet": "parquet", ".pq": "parquet"}
 
@@ -103,7 +104,8 @@ def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[st
                         "every record or in none.")
     for name, col in columns.items():
         v = rec[name]
-        col.append(_length(p, loc, name, v) if name in _LENGTHS else _ident(p, loc, name, v))
+        col.append(_length(p, loc, name, v) if name in _LENGTHS else _parent(p, loc, v) if name == "prefix_parent"
+                   else _ident(p, loc, name, v))
     seq = columns["seq_len"][-1]
     for name in ("prompt_len", "loss_tokens"):
         if name in columns and columns[name][-1] > seq:
@@ -122,6 +124,14 @@ def _length(p: Path, loc: str, name: str, v: Any) -> int:
     lo = 1 if name == "seq_len" else 0
     if out < lo:
         raise PlanError(f"{p} {loc}: field {name!r}={out} must be >= {lo}.")
+    return out
+
+
+def _parent(p: Path, loc: str, v: Any) -> int:
+    """A prefix parent: an earlier sample's index, or -1."""
+    out = v if type(v) is int else _whole(v)
+    if out is None or out < -1:
+        raise PlanError(f"{p} {loc}: field 'prefix_parent'={v!r} must be an earlier sample's index or -1.")
     return out
 
 
@@ -163,7 +173,9 @@ def _build(p: Path, columns: dict[str, list[Any]], *, int_ids: bool) -> Batch:
         return Batch(np.asarray(seq, dtype=np.int64),
                      loss_tokens=_opt_array(columns.get("loss_tokens")),
                      prompt_lens=_opt_array(columns.get("prompt_len")),
-                     prompt_ids=ids["prompt_id"], rollout_ids=ids["rollout_id"])
+                     prompt_ids=ids["prompt_id"], rollout_ids=ids["rollout_id"],
+                     prefix_parent=_opt_array(columns.get("prefix_parent")),
+                     shared_prefix_lens=_opt_array(columns.get("shared_prefix_len")))
     except PlanError as exc:
         raise PlanError(f"{p}: {exc} (sample i is the i-th record, counting from 0)") from None
 
@@ -284,6 +296,9 @@ def _batch_columns(batch: Batch) -> dict[str, list[Any]]:
         cols["prompt_id"] = list(batch.prompt_ids)
     if batch.rollout_ids is not None:
         cols["rollout_id"] = list(batch.rollout_ids)
+    if batch.prefix_parent is not None:
+        cols["prefix_parent"] = batch.prefix_parent.tolist()
+        cols["shared_prefix_len"] = batch.shared_prefix_lens.tolist()  # type: ignore[union-attr]
     return cols
 
 
@@ -292,7 +307,7 @@ def write_batch(batch: Batch, path: PathLike, *, format: str | None = None) -> N
 
     JSONL and Parquet round-trip exactly; CSV too, except string ids that look like ints
     (``"7"``), which read back as ints. Writes ``seq_len``, ``loss_tokens`` and, when set,
-    ``prompt_len``, ``prompt_id``, ``rollout_id``. Raises PlanError when the file cannot be written.
+    ``prompt_len``, ``prompt_id``, ``rollout_id``, ``prefix_parent`` and ``shared_prefix_len``. Raises PlanError when the file cannot be written.
     """
     if not isinstance(batch, Batch):
         raise PlanError(f"write_batch takes a microplan.Batch, got {type(batch).__name__}.")

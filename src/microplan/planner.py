@@ -26,6 +26,7 @@ from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
 from .stages.layout import step_layout
 from .stages.micros import binned_micros
+from .stages.share import plan_shared_step
 from .stages.steps import split_steps
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step
@@ -41,8 +42,10 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
         raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
     dynamic_cp = config.context_parallel is not None and config.context_parallel.dynamic
     fp = footprint_of(batch, config)
-    check_fits(fp, config)
-    step_planner = plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
+    if not config.share_prefixes:
+        check_fits(fp, config)  # shared plans refuse a sample over the cap in stages/share.py
+    step_planner = plan_shared_step if config.share_prefixes else \
+        plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
     split = split_steps(batch, config.steps)
     assert config.cost is not None
     costs = fp.sample_costs(config.cost)
@@ -63,16 +66,17 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
                    step_layout(micro_footprint(fp), samples, cfg))
     kept = samples[fit.kept]
     D, K = cfg.dp_size, fit.micro_count
-    micro_cost = fp.bin_costs(cfg.cost, kept, fit.bin_of, D * K)  # type: ignore[arg-type]
-    grid = arrange(micro_cost, D, K)
+    bin_of = fit.bin_of
+    grid = arrange(fp.bin_costs(cfg.cost, kept, bin_of, D * K), D, K)  # type: ignore[arg-type]
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    bins = binned_micros(kept, fit.bin_of, D * K, scale, batch)
+    bins = binned_micros(kept, bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
     trusted, mfp = Micro._trusted, micro_footprint(fp)
-    micros = [[trusted(*bins[b], cp, 0, (r,), mfp) for b in grid[r].tolist()] for r in range(D)]
+    micros = [[trusted(*bins[b], cp, 0, (r,), footprint=mfp) for b in grid[r].tolist()] for r in range(D)]
     dropped = samples[fit.dropped]
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")
     return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
+

@@ -23,10 +23,12 @@ from .batch import Batch
 from .config import PlanConfig
 from .cost.models import bin_costs
 from .footprint import Footprint, footprint_of, packing_cap
+from .prefix import PrefixTree, micro_tree
 from .stages.kchoice import best_lower_bound
+from .stages.share import forest_of
 from .types import PlanStats, Step, StepStats
 
-__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid"]
+__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
 
 
 def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
@@ -40,6 +42,12 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint |
     idx = np.concatenate([m.indices for m in flat]) if flat else np.zeros(0, dtype=np.int64)
     owner = np.repeat(np.arange(len(flat)), sizes)
     body = fp.bin_costs(cost, idx, owner, len(flat))
+    for k, m in enumerate(flat):  # prefix-shared micro-batches: unique tokens, attention by depth
+        if m.tree is not None:
+            add = float(cost.tree_costs(np.array([m.tree.num_tokens]),  # type: ignore[attr-defined]
+                                        np.array([m.tree.depth_sq]))[0]) + (
+                0.0 if fp.vision_costs is None else float(fp.vision_costs[m.indices].sum()))
+            body[k] = bin_costs(cost, np.array([add]), np.array([float(m.tree.num_tokens)]))[0]
     empty = sizes == 0  # placeholders: one dummy token
     one = np.ones(1, dtype=np.float64)
     body[empty] = bin_costs(cost, cost.sample_costs(one), one)[0]
@@ -53,8 +61,10 @@ def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
     return step_cost_grid(plan.batch, plan.config, plan.steps[step_index])  # type: ignore[attr-defined]
 
 
-def _k_lower_bound(cfg: PlanConfig, n: int, tokens: int, vision: int = 0) -> int:
-    """⌈occupied tokens / (dp · cap)⌉ (and the same for vision tokens); static: ⌈n / (dp · mbs)⌉."""
+def k_lower_bound(cfg: PlanConfig, n: int, tokens: int, vision: int = 0) -> int:
+    """⌈tokens / (dp · cap)⌉, tokens as the samples occupy them at least (padded alone, or the
+    step's unique tokens), the cap less the row multiple; the same for vision tokens under their
+    cap. Static batching: ⌈n / (dp · micro_batch_size)⌉."""
     if cfg.micro_batch_size is not None:
         return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)))
     cap = packing_cap(cfg)
@@ -72,18 +82,37 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def _step_lower_bound(fp: Footprint, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
+def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, fp: Footprint | None = None) -> float:
     """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
 
-    Each sample counts at the tokens it occupies alone (padding to its multiple, its padded
-    width), which every plan of the config must run, so the bound holds for every layout."""
+    With shared prefixes the work any plan does at least once is the step's prefix trie: its
+    segments stand in for the samples, and the costliest micro-batch is at least one sample alone.
+    Otherwise each sample counts at the tokens it occupies alone (``fp``: padding to its multiple,
+    its padded width) and its vision work, which every plan of the config must run.
+    """
     cost = cfg.cost
     assert cost is not None
     if not idx.size:
         return 0.0
+    lens = batch.seq_lens[idx]
+    if cfg.share_prefixes:
+        tree = step_tree(batch, idx)
+        seg = (tree.end - tree.start).astype(np.float64)
+        seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
+        single = float((bin_costs(cost, cost.sample_costs(lens), lens) - cost.per_micro).max())  # a sample alone
+        return best_lower_bound(seg_cost, seg.astype(np.int64), k_lb, bins_per_k=cfg.dp_size,
+                                gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
+    fp = footprint_of(batch, cfg) if fp is None else fp
     lens = fp.sample_tokens[idx]
     return best_lower_bound(fp.sample_costs(cost, idx), lens, k_lb, bins_per_k=cfg.dp_size,
-                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost)
+                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
+                            cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+def step_tree(batch: Batch, idx: np.ndarray) -> PrefixTree:
+    """The prefix trie of a whole step: every token any plan of the step must compute once."""
+    parent, shared = forest_of(batch)
+    return micro_tree(parent, shared, batch.seq_lens, idx)
 
 
 def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropped: np.ndarray) -> PlanStats:
@@ -101,16 +130,18 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        k_lb = _k_lower_bound(cfg, n, int(fp.sample_tokens[idx].sum()), fp.vision(idx))
-        lb = _step_lower_bound(fp, cfg, idx, k_lb)
-        step_max = max((-(-(fp.tokens(m.indices) if m.indices.size else 0) // m.cp_size)
-                        for row in step.micros for m in row), default=0)
+        unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes and n else int(fp.sample_tokens[idx].sum())
+        held = sum(m.num_tokens for row in step.micros for m in row if not m.is_placeholder and m.cp_rank == 0)
+        k_lb = k_lower_bound(cfg, n, unique, fp.vision(idx))
+        lb = step_lower_bound(batch, cfg, idx, k_lb, fp)
+        step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         per_step.append(StepStats(
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
             num_placeholders=step.num_placeholders, max_micro_tokens=step_max,
             lockstep_time=float(grid.max(axis=0).sum()), step_sync_time=float(grid.sum(axis=1).max()),
-            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice))
+            time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice,
+            tokens_with_sharing=held, tokens_lower_bound=unique))
     lock = sum(p.lockstep_time for p in per_step)
     sync = sum(p.step_sync_time for p in per_step)
     mean = float(rank_total.mean()) if rank_total.size else 0.0
@@ -121,4 +152,7 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         micro_count_lower_bound=sum(p.micro_count_lower_bound for p in per_step),
         predicted_time=lock if cfg.sync == "micro" else sync, lockstep_time=lock, step_sync_time=sync,
         time_lower_bound=sum(p.time_lower_bound for p in per_step),
-        rank_imbalance=float(rank_total.max()) / mean if mean > 0 else 1.0, steps=tuple(per_step))
+        rank_imbalance=float(rank_total.max()) / mean if mean > 0 else 1.0, steps=tuple(per_step),
+        tokens_without_sharing=sum(p.num_tokens for p in per_step),
+        tokens_with_sharing=sum(p.tokens_with_sharing for p in per_step),
+        tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step))

@@ -55,7 +55,7 @@ _LONG_DOC_FRACTION = 0.125
 
 def generate(family: str, *, num_prompts: int = 256, samples_per_prompt: int = 8,
              max_len: int = 16384, prompt_len: tuple[int, int] | int | None = None,
-             seed: int = 0) -> Batch:
+             seed: int = 0, history_edits: float = 0.0) -> Batch:
     """A synthetic RL batch of one of :data:`FAMILIES` (see the module note for each model).
 
     Args:
@@ -68,10 +68,17 @@ def generate(family: str, *, num_prompts: int = 256, samples_per_prompt: int = 8
         prompt_len: prompt tokens, an int (fixed) or ``(lo, hi)`` (log-uniform per prompt);
             default ``(32, min(1024, max_len // 2))``. Needs ``1 <= lo <= hi < max_len``.
         seed: >= 0; the same arguments give the same Batch, bit for bit.
+        history_edits: ``stepwise-multiturn`` only: the probability that the history is edited
+            before a turn (summarised, a tool result dropped), so the turn shares only a random
+            20–90 % of the previous turn's tokens instead of all of them. 0 = append-only.
 
     Returns:
-        A :class:`Batch` with ``prompt_lens``, ``prompt_ids`` and ``rollout_ids`` set and
-        ``loss_tokens`` = ``seq_lens - prompt_lens`` (the response, or the turn's new response).
+        A :class:`Batch` with ``prompt_lens``, ``prompt_ids`` and ``rollout_ids`` set,
+        ``loss_tokens`` = ``seq_lens - prompt_lens`` (the response, or the turn's new response),
+        and the shared prefixes (``prefix_parent``/``shared_prefix_lens``): a GRPO group's samples
+        share the prompt with the group's first sample; a step-wise turn shares the previous
+        turn's whole sequence (append-only history), and a rollout's first turn shares the prompt
+        with the prompt's first rollout.
 
     Raises:
         PlanError: unknown family or an argument out of range.
@@ -83,8 +90,15 @@ def generate(family: str, *, num_prompts: int = 256, samples_per_prompt: int = 8
     L = int_field("generate: max_len", max_len, minimum=2)
     seed = int_field("generate: seed", seed, minimum=0)
     lo, hi = _prompt_range(prompt_len, L)
+    edits = float(history_edits)
+    if not 0.0 <= edits <= 1.0:
+        raise PlanError(f"generate: history_edits={history_edits!r} must be a probability in [0, 1].")
+    if edits and family != "stepwise-multiturn":
+        raise PlanError("generate: history_edits applies to the 'stepwise-multiturn' family only.")
     rng = np.random.default_rng([seed, FAMILIES.index(family)])
     plens = _loguniform_int(rng, lo, hi, P)
+    if family == "stepwise-multiturn":
+        return _stepwise_multiturn(rng, plens, G, L, edits)
     return _GENERATORS[family](rng, plens, G, L)
 
 
@@ -133,7 +147,10 @@ def _groups(plens: np.ndarray, responses: np.ndarray, G: int, max_len: int) -> B
     prompt = np.repeat(plens, G)
     resp = np.minimum(responses, max_len - prompt)
     ids = np.repeat(np.arange(P, dtype=np.int64), G)
-    return Batch(prompt + resp, prompt_lens=prompt, prompt_ids=ids, rollout_ids=np.arange(P * G, dtype=np.int64))
+    first = ids * G                                                    # each group's first sample
+    parent = np.where(np.arange(P * G) == first, -1, first)
+    return Batch(prompt + resp, prompt_lens=prompt, prompt_ids=ids, rollout_ids=np.arange(P * G, dtype=np.int64),
+                 prefix_parent=parent, shared_prefix_lens=np.where(parent >= 0, prompt, 0))
 
 
 # -- families ------------------------------------------------------------------------------------
@@ -166,7 +183,8 @@ def _long_context(rng: np.random.Generator, plens: np.ndarray, G: int, max_len: 
     return _groups(prompts, np.where(np.repeat(is_doc, G), docs, bulk), G, max_len)
 
 
-def _stepwise_multiturn(rng: np.random.Generator, plens: np.ndarray, G: int, max_len: int) -> Batch:
+def _stepwise_multiturn(rng: np.random.Generator, plens: np.ndarray, G: int, max_len: int,
+                        edits: float = 0.0) -> Batch:
     P = plens.size
     R = P * G
     horizon = np.repeat(3.0 * np.exp(0.4 * rng.standard_normal(P)), G)
@@ -181,8 +199,22 @@ def _stepwise_multiturn(rng: np.random.Generator, plens: np.ndarray, G: int, max
     prompt_part = raw_end - resp                                       # context before the response
     prev_end = np.where(np.isin(np.arange(n), first), 0, np.roll(raw_end, 1))
     keep = (prompt_part < max_len) & (prev_end < max_len)              # a prefix of each rollout
-    seq = np.minimum(raw_end, max_len)[keep]
-    return Batch(seq, prompt_lens=prompt_part[keep], prompt_ids=rollout[keep] // G, rollout_ids=rollout[keep])
+    seq_all = np.minimum(raw_end, max_len)
+    # prefixes: a turn continues the previous turn (append-only) unless its history was edited;
+    # a rollout's first turn shares the prompt with the prompt's first rollout
+    is_first = np.isin(np.arange(n), first)
+    prompt_first = first[(np.arange(R) // G) * G]                       # turn 1 of the prompt's rollout 0
+    parent = np.where(is_first, prompt_first[rollout], np.arange(n) - 1)
+    shared = np.where(is_first, np.repeat(plens, G)[rollout], np.roll(seq_all, 1))
+    edited = (~is_first) & (rng.random(n) < edits) if edits else np.zeros(n, dtype=bool)
+    shared = np.where(edited, np.floor(shared * rng.uniform(0.2, 0.9, n)).astype(np.int64), shared)
+    parent = np.where(parent == np.arange(n), -1, parent)               # the first rollout's first turn
+    shared = np.where(parent < 0, 0, np.minimum(shared, seq_all))
+    new_index = np.cumsum(keep) - 1                                     # kept turns are a prefix per rollout
+    parent = np.where(parent >= 0, new_index[np.maximum(parent, 0)], -1)[keep]
+    seq = seq_all[keep]
+    return Batch(seq, prompt_lens=prompt_part[keep], prompt_ids=rollout[keep] // G, rollout_ids=rollout[keep],
+                 prefix_parent=parent, shared_prefix_lens=np.where(parent >= 0, shared[keep], 0))
 
 
 def _segment_cumsum(x: np.ndarray, first: np.ndarray, counts: np.ndarray) -> np.ndarray:

@@ -14,6 +14,7 @@ import numpy as np
 
 if TYPE_CHECKING:  # pragma: no cover
     from .footprint import Footprint
+    from .prefix import PrefixTree
 
 __all__ = ["Micro", "Step", "StepStats", "PlanStats", "KChoice"]
 
@@ -40,6 +41,8 @@ class Micro:
             ``(rank,)`` otherwise.
         footprint: the plan's :class:`~microplan.footprint.Footprint` (layout and padding rules
             over the batch), or None for a plain varlen row (the footprint is Σ seq_lens).
+        tree: with ``PlanConfig(share_prefixes=True)``, the prefix trie of the samples (each
+            shared token once; see :class:`microplan.prefix.PrefixTree`); None otherwise.
     """
 
     indices: np.ndarray
@@ -50,6 +53,7 @@ class Micro:
     cp_rank: int = 0
     cp_group: tuple[int, ...] = field(default=())
     footprint: Footprint | None = field(default=None, repr=False)
+    tree: PrefixTree | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "indices", _ro(self.indices, np.int64))
@@ -61,12 +65,12 @@ class Micro:
     @classmethod
     def _trusted(cls, indices: np.ndarray, seq_lens: np.ndarray, loss_tokens: np.ndarray,
                  loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...],
-                 footprint: Footprint | None = None) -> Micro:
+                 tree: PrefixTree | None = None, footprint: Footprint | None = None) -> Micro:
         """Internal fast path: arrays are already read-only int64/float64 views; no copies."""
         self = object.__new__(cls)
         self.__dict__.update(indices=indices, seq_lens=seq_lens, loss_tokens=loss_tokens, loss_scale=loss_scale,
                              cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group,
-                             footprint=footprint)  # frozen: bypass __setattr__
+                             footprint=footprint, tree=tree)  # frozen: bypass __setattr__
         return self
 
     @property
@@ -79,8 +83,10 @@ class Micro:
         """Tokens the GPU(s) hold for this micro-batch: its samples as the plan's layout places them,
         padding included (pad-to-multiple, the row multiple, the ``[n, W]`` padding of padded
         layouts), all CP ranks together — per GPU it is ⌈num_tokens / cp_size⌉. This is what the
-        cap counts. 0 for a placeholder (which packs to one dummy row). Without a footprint:
-        Σ seq_lens (a plain varlen row)."""
+        cap counts. 0 for a placeholder (which packs to one dummy row). With shared prefixes: the
+        unique tokens of its prefix trie. Without a footprint: Σ seq_lens (a plain varlen row)."""
+        if self.tree is not None:
+            return self.tree.num_tokens
         if self.footprint is None or not self.indices.size:
             return int(self.seq_lens.sum())
         return self.footprint.tokens(self.indices)
@@ -111,7 +117,7 @@ class Micro:
                 and np.array_equal(self.loss_tokens, other.loss_tokens)
                 and np.array_equal(self.loss_scale, other.loss_scale)
                 and (self.cp_size, self.cp_rank, self.cp_group) == (other.cp_size, other.cp_rank, other.cp_group)
-                and _same_rules(self.footprint, other.footprint))
+                and _same_rules(self.footprint, other.footprint) and self.tree == other.tree)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -119,7 +125,8 @@ class Micro:
         if self.is_placeholder:
             return "Micro(placeholder)"
         cp = f", cp_size={self.cp_size}, cp_rank={self.cp_rank}" if self.cp_size > 1 else ""
-        return f"Micro(samples={self.num_samples}, tokens={self.num_tokens}{cp})"
+        shared = f" of {int(self.seq_lens.sum())} unshared" if self.tree is not None else ""
+        return f"Micro(samples={self.num_samples}, tokens={self.num_tokens}{shared}{cp})"
 
     def to_dict(self) -> dict[str, Any]:
         return {"indices": self.indices.tolist(), "loss_scale": self.loss_scale.tolist(),
@@ -223,6 +230,8 @@ class StepStats:
     time_lower_bound: float
     rank_costs: tuple[float, ...]
     choice: KChoice | None = None
+    tokens_with_sharing: int = 0
+    tokens_lower_bound: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -243,6 +252,11 @@ class PlanStats:
         time_lower_bound: Σ_steps max(Σ cost / dp + K_lb · per_micro, max sample cost + per_micro).
         rank_imbalance: max / mean of the ranks' total cost over the plan (1.0 = perfect).
         steps: per-step :class:`StepStats`.
+        tokens_without_sharing: Σ seq_lens of the planned samples (each sample packed alone).
+        tokens_with_sharing: tokens the micro-batches hold (unique tokens of their prefix tries
+            under ``share_prefixes``; equal to the above otherwise).
+        tokens_lower_bound: the fewest tokens any plan computes: each step's whole prefix trie
+            once (Σ seq_lens without ``share_prefixes``).
     """
 
     num_steps: int
@@ -259,6 +273,9 @@ class PlanStats:
     time_lower_bound: float
     rank_imbalance: float
     steps: tuple[StepStats, ...] = ()
+    tokens_without_sharing: int = 0
+    tokens_with_sharing: int = 0
+    tokens_lower_bound: int = 0
 
     @property
     def time_ratio(self) -> float:

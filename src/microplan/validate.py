@@ -20,6 +20,8 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import Footprint, footprint_of, micro_footprint
+from .prefix import micro_tree
+from .stages.share import forest_of
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step, _same_rules
 
@@ -42,6 +44,14 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
         _fail(f"{where}: seq_lens/loss_tokens differ from the batch")
     if not np.isfinite(micro.loss_scale).all():
         _fail(f"{where}: non-finite loss_scale")
+    if cfg.share_prefixes and k:
+        parent, shared = forest_of(b)
+        if micro.tree is None or micro.tree != micro_tree(parent, shared, b.seq_lens, micro.indices):
+            _fail(f"{where}: the prefix tree does not match the batch's shared prefixes for these samples")
+        if micro.tree.num_tokens > int(micro.seq_lens.sum()):  # type: ignore[union-attr]
+            _fail(f"{where}: the prefix tree holds more tokens than its samples unshared")
+    elif micro.tree is not None and not cfg.share_prefixes:
+        _fail(f"{where}: a prefix tree in a plan made without share_prefixes")
     cp = cfg.context_parallel
     if cp is not None and cp.dynamic:
         if micro.cp_size & (micro.cp_size - 1) or micro.cp_size > cp.max_size:  # type: ignore[operator]
@@ -52,7 +62,8 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
     if not _same_rules(micro.footprint, micro_footprint(fp)):
         _fail(f"{where}: the micro-batch's layout/padding rules differ from the config's ({fp.padding})")
     if cfg.max_tokens_per_micro is not None:
-        held = fp.tokens(micro.indices) if k else 0
+        # what the GPU holds: the (validated) prefix trie, or the footprint re-derived from the batch
+        held = 0 if not k else micro.tree.num_tokens if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[union-attr]
         if held > micro.cp_size * cfg.max_tokens_per_micro:
             pad = "" if held == int(micro.seq_lens.sum()) else f" (padding included, layout={cfg.layout!r})"
             _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size} exceed the per-GPU cap "

@@ -49,7 +49,8 @@ __all__ = ["CostMeter", "MeterReport"]
 _REL_WIDTH = np.array([0.3, 1.0, 1.0, 1.0])   # prior width, relative to the prior coefficient
 _FLOOR = 0.05                                  # a zero prior may still explain 5 % of a typical record
 _ATTN_WIDTH = 1.0                              # single-sample attention (q + q_packed): ±100 %
-_SPLIT_WIDTH = 2.0                             # each of q, q_packed alone: ±200 % of that attention
+_SPLIT_WIDTH = 2.0                             # q alone: ±200 % of that attention
+_PACKED_WIDTH = 0.5                            # q_packed alone: ±50 % (a dense kernel must show in the data)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,7 +218,9 @@ class CostMeter:
         floor = _FLOOR * yt / np.maximum(typical, 1e-300)
         tau = np.maximum(_REL_WIDTH * mu, floor)
         mu_u = mu[1] + mu[2]  # a lone sample's attention: quadratic + packed_quadratic (T = L)
-        tau[1:3] = np.maximum(_SPLIT_WIDTH * mu_u, floor[1:3])  # the varlen/packed split is free
+        # the varlen/packed split moves only where the records show it: each term ±(width·attention)
+        tau[1] = max(_SPLIT_WIDTH * mu_u, float(floor[1]))
+        tau[2] = max(_PACKED_WIDTH * mu_u, float(floor[2]))
         rows = [X * w[:, None]]
         rhs = [y * w]
         eye = np.eye(4)

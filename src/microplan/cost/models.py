@@ -73,7 +73,16 @@ def _lens(seq_lens: Any) -> np.ndarray:
 
 
 def micro_features(seq_lens: Sequence[int] | np.ndarray) -> np.ndarray:
-    """``[Σ L, Σ L², T², 1]`` of one micro-batch (a ``Micro`` is accepted): the model's regressors."""
+    """``[Σ L, Σ L², T², 1]`` of one micro-batch (a ``Micro`` is accepted): the model's regressors.
+
+    A prefix-shared micro-batch (a ``Micro`` with a ``tree``) holds U unique tokens whose
+    attention work is Σ over tokens of (2·position + 1) (= L² for a lone sample): its features
+    are ``[U, depth_sq, U², 1]``.
+    """
+    tree = getattr(seq_lens, "tree", None)
+    if tree is not None:
+        U = float(tree.num_tokens)
+        return np.array([U, float(tree.depth_sq), U * U, 1.0])
     L = _lens(seq_lens)
     T = float(L.sum())
     return np.array([T, float((L * L).sum()), T * T, 1.0])
@@ -127,8 +136,12 @@ class TokenCost:
     def packed_costs(self, total_tokens: np.ndarray) -> np.ndarray:
         return np.zeros_like(np.asarray(total_tokens, dtype=np.float64))
 
+    def tree_costs(self, unique_tokens: np.ndarray, depth_sq: np.ndarray) -> np.ndarray:
+        """Additive cost of prefix trees of ``unique_tokens`` tokens (the tokens themselves)."""
+        return np.asarray(unique_tokens, dtype=np.float64)
+
     def micro_cost(self, seq_lens: Sequence[int] | np.ndarray) -> float:
-        return float(_lens(seq_lens).sum()) + self.per_micro
+        return float(self.coefficients() @ micro_features(seq_lens))
 
     def coefficients(self) -> np.ndarray:
         """Coefficients over :data:`FEATURES`."""
@@ -174,6 +187,12 @@ class FlopsCost:
     def packed_costs(self, total_tokens: np.ndarray) -> np.ndarray:
         T = np.asarray(total_tokens, dtype=np.float64)
         return self.packed_quadratic * (T * T)
+
+    def tree_costs(self, unique_tokens: np.ndarray, depth_sq: np.ndarray) -> np.ndarray:
+        """Additive cost of prefix trees: linear per unique token, quadratic per unit of
+        ``depth_sq`` = Σ over tokens of (2·position + 1) (a token attends to its whole path)."""
+        return self.linear * np.asarray(unique_tokens, dtype=np.float64) + \
+            self.quadratic * np.asarray(depth_sq, dtype=np.float64)
 
     def micro_cost(self, seq_lens: Sequence[int] | np.ndarray) -> float:
         return float(self.coefficients() @ micro_features(seq_lens))

@@ -27,12 +27,14 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import PlanConfig
-from ..cost.models import CostModel, is_additive
+from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
 from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
+from .assign import arrange
 from .kchoice import MAX_EVALS, KChoice, packed_slope, step_time, time_lower_bounds
 from .layout import StepLayout
+from .lockstep import refine_lockstep
 from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .padded import pack_padded
 from .refine import refine_bins
@@ -104,51 +106,79 @@ def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarra
 def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
           tried: list[tuple[int, float]], extra: Extra | None = None) -> _Packing:
     """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
-    D, n, cap = cfg.dp_size, lens.size, effective_cap(cfg)
+    D, n = cfg.dp_size, lens.size
     while True:
         m = min(n, D * K)
-        bin_of = _pack_at(lens, costs, m, D, K, cap, cfg.cost, extra)  # type: ignore[arg-type]
+        bin_of = _pack_at(lens, costs, m, D, K, cfg, extra)
         if bin_of is not None:
             break
         tried.append((K, float("inf")))
         K += cfg.align  # m == n always packs (one sample per bin), so this terminates
-    tried.append((K, _time(bin_of, m, K, lens, costs, cfg)))
+    t = _time(bin_of, m, K, lens, costs, cfg)
+    tried.append((K, t))
     if K == K0:
         why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
                "micro-batches only add per-micro cost")
     else:
         why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
+    nxt = K + cfg.align
+    if D * nxt <= n and t > _bound(lens, costs, cfg, K) * (1 + _SLACK):
+        # a cap-tight K leaves no room to balance; one more micro-batch per rank may be faster
+        alt = _pack_at(lens, costs, D * nxt, D, nxt, cfg, extra)
+        t2 = float("inf") if alt is None else _time(alt, D * nxt, nxt, lens, costs, cfg)
+        tried.append((nxt, t2))
+        if t2 < t * (1 - 1e-9):
+            why = (f"K={nxt}: predicted {t2:.4g} vs {t:.4g} at K={K} — packing to the fewest micro-batches left "
+                   "the cap too tight to balance, and the extra per-micro cost is smaller than the gain")
+            return _Packing(alt, D * nxt, nxt, KChoice(nxt, K0, tuple(tried), why))  # type: ignore[arg-type]
     return _Packing(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
+
+
+_SLACK = 2e-3  # try K + align when the packed plan is this far above its lower bound
+
+
+def _bound(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int) -> float:
+    cp = cfg.static_cp_size
+    return float(time_lower_bounds(costs, lens, np.array([K]), bins_per_k=cfg.dp_size, gpus=cfg.dp_size * cp,
+                                   max_width=cp, cost=cfg.cost, cap=cfg.max_tokens_per_micro,  # type: ignore[arg-type]
+                                   lockstep=cfg.sync == "micro")[0])
 
 
 def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int,
             extra: Extra | None = None) -> _Packing:
-    """Walk K from argmin LB(K) while the packed plan's predicted time improves (packed-row costs)."""
+    """Search K around argmin LB(K) and K_lb by the packed plans' predicted times (packed-row costs).
+
+    A pattern search over aligned K: from the better of K_lb and argmin LB(K), try ±step, double the
+    step after every improvement, halve it when neither side improves; at most MAX_EVALS packings.
+    """
     D, a, cap = cfg.dp_size, cfg.align, effective_cap(cfg)
     cp = cfg.static_cp_size
     Ks = np.arange(K0, k_hi + 1, a)
     lb = time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cfg.cost)  # type: ignore[arg-type]
-    start = int(Ks[int(np.argmin(lb))])
+    start = int(Ks[int(np.argmin(lb))])  # where the bound is lowest; K0 is tried too
     done: dict[int, tuple[float, np.ndarray | None]] = {}
     order: list[int] = []
 
     def evaluate(K: int) -> float:
-        bin_of = _pack_at(lens, costs, D * K, D, K, cap, cfg.cost, extra)  # type: ignore[arg-type]
+        bin_of = _pack_at(lens, costs, D * K, D, K, cfg, extra)
         t = float("inf") if bin_of is None else _time(bin_of, D * K, K, lens, costs, cfg)
         done[K] = (t, bin_of)
         order.append(K)
         return t
 
-    best_t = evaluate(start)
-    for direction in (+a, -a):
-        K = start + direction
-        while K0 <= K <= k_hi and len(done) < MAX_EVALS:
-            t = evaluate(K)
-            cur = min(v[0] for v in done.values())
-            if t > cur * (1 + 1e-12) and np.isfinite(cur):
+    evaluate(K0)  # the fewest micro-batches: best when the packed term is small
+    if start != K0:
+        evaluate(start)
+    best = min(done, key=lambda k: (done[k][0], k))
+    step = a
+    while len(done) < MAX_EVALS and step >= a:  # pattern search: double the step while it improves
+        moved = False
+        for K in (best + step, best - step):
+            if K0 <= K <= k_hi and K not in done and len(done) < MAX_EVALS and evaluate(K) < done[best][0]:
+                best, moved = K, True
                 break
-            K += direction
-        best_t = min(v[0] for v in done.values())
+        step = 2 * step if moved else (step // 2) // a * a
+    best_t = done[best][0]
     if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
         return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order], extra)
     K = min(k for k in done if done[k][0] == best_t)
@@ -178,24 +208,35 @@ def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
     return out
 
 
-def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
-             cost: CostModel, extra: Extra | None = None) -> np.ndarray | None:
+def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: PlanConfig,
+             extra: Extra | None = None) -> np.ndarray | None:
     """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
 
     With a packed-row term the samples are balanced on their first-order cost at the mean row
-    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g).
+    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). Under ``sync="micro"`` the
+    packing is then refined for the lockstep objective on its slot arrangement (``lockstep.py``).
     """
+    cost, cap = cfg.cost, effective_cap(cfg)
+    assert cost is not None and cap is not None
+    bal = costs
     if not is_additive(cost) and m:
-        costs = costs + packed_slope(cost, float(lens.sum()) / m) * lens
-    bin_of = _pack_slots(lens, costs, m, D, K, cap, extra)
-    if bin_of is not None:
-        return bin_of
+        bal = costs + packed_slope(cost, float(lens.sum()) / m) * lens
+    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra)
     n = lens.size
-    if n <= FFD_MAX_SAMPLES:
+    if bin_of is None and n <= FFD_MAX_SAMPLES:
         bin_of = first_fit_decreasing(lens, m, cap, extra)
         if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
             bin_of = exact_pack(lens, m, cap)
-    return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap, extra=extra)
+        if bin_of is not None:
+            bin_of = refine_bins(bin_of, lens, bal, m, cap, extra=extra)
+    if bin_of is None or cfg.sync != "micro":
+        return bin_of
+    nb = D * K
+    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb))
+    width = cfg.static_cp_size
+    if width > 1:
+        mc = (mc - cost.per_micro) / width + cost.per_micro
+    return refine_lockstep(bin_of, arrange(mc, D, K), lens, costs, cost, cap, extra=extra)
 
 
 def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,

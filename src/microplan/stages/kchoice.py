@@ -11,9 +11,9 @@ GPUs and B <= min(dp·K, n) micro-batches the step time under either sync mode i
 - Additive costs (g ≡ 0): LB is non-decreasing in K, so the fewest micro-batches that fit the
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows only when packing fails.
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K). The search
-  starts at argmin LB(K) over the aligned K without placeholders, packs it, and walks K up
-  and down (by ``align``) while the *packed* plan's predicted time improves (at most
-  ``MAX_EVALS`` packings). Every K tried is reported with its predicted time in
+  packs K_lb and argmin LB(K) over the aligned K without placeholders, then runs a pattern
+  search on the *packed* plans' predicted times (±step, doubled after an improvement, halved
+  otherwise; at most ``MAX_EVALS`` packings). Every K tried is reported with its predicted time in
   :class:`KChoice`, so ``Plan.stats`` can say why K was chosen.
 
 Guarantees: the chosen K is one of the evaluated candidates with the lowest predicted time
@@ -31,7 +31,7 @@ from .assign import arrange
 
 __all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS"]
 
-MAX_EVALS = 8  # packings tried per step when the cost has a packed-row term
+MAX_EVALS = 12  # packings tried per step when the cost has a packed-row term
 
 
 def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarray, costs: np.ndarray,
@@ -63,8 +63,21 @@ def packed_slope(cost: CostModel, T: float) -> float:
 
 
 def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bins_per_k: int, gpus: int,
-                      max_width: int, cost: CostModel) -> np.ndarray:
-    """LB(K) of the module note for each K in ``Ks`` (same order)."""
+                      max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False,
+                      single: float | None = None) -> np.ndarray:
+    """LB(K) of the module note for each K in ``Ks`` (same order).
+
+    With ``lockstep`` and a ``cap`` (no CP) the slot bound below is added: the slot that runs the
+    costliest sample i* waits for it, while its other dp − 1 micro-batches can absorb at most the
+    costliest (dp − 1)·cap tokens (a fractional knapsack by cost per token over the other
+    samples, plus their per-micro and packed-row terms), so
+    lockstep >= M·(1 − 1/dp) + (total work − that absorbable work) / dp.
+
+    ``single``: the items are not samples but pieces of work any plan does at least once (the
+    segments of a step's prefix trie, which micro-batches may duplicate): then ``single`` is the
+    costliest micro-batch any plan must run (one whole sample, per_micro excluded), the sum bound
+    uses only Jensen, and the slot bound is off.
+    """
     Ks = np.asarray(Ks, dtype=np.int64)
     n = lens.size
     if n == 0:
@@ -72,15 +85,41 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
     S, N = float(costs.sum()), float(lens.sum())
     pm = float(cost.per_micro)
     B = np.minimum(bins_per_k * Ks, n).astype(np.float64)
+    lf = lens.astype(np.float64)
     body = np.full(Ks.size, S)
+    one = costs
     if not is_additive(cost):
-        body = body + B * cost.packed_costs(N / B)  # type: ignore[attr-defined]
-    one = costs + (0.0 if is_additive(cost) else cost.packed_costs(lens.astype(np.float64)))  # type: ignore[attr-defined]
-    return np.maximum(body / gpus + Ks * pm, float(one.max()) / max_width + pm)
+        g = cost.packed_costs  # type: ignore[attr-defined]
+        each = g(lf)
+        jensen = B * g(N / B)
+        body = body + (jensen if single is not None else np.maximum(jensen, float(each.sum())))  # T_b >= L_i
+        one = costs + each
+    top_one = float(one.max()) if single is None else single
+    lb = np.maximum(body / gpus + Ks * pm, top_one / max_width + pm)
+    if lockstep and single is None and cap is not None and max_width == 1 and bins_per_k > 1 and n > 1:
+        D = bins_per_k
+        top = int(np.argmax(one))
+        M = float(one[top]) + pm
+        rest = np.delete(np.arange(n), top)
+        dens = costs[rest] / lf[rest]
+        order = np.argsort(-dens, kind="stable")
+        tok = np.cumsum(lf[rest][order])
+        budget = float((D - 1) * cap)
+        full = int(np.searchsorted(tok, budget, side="right"))
+        absorb = float(costs[rest][order][:full].sum())
+        if full < order.size:
+            left = budget - (float(tok[full - 1]) if full else 0.0)
+            absorb += left * float(dens[order[full]])
+        extra = 0.0 if is_additive(cost) else float(cost.packed_costs(np.array([float(cap)]))[0])  # type: ignore[attr-defined]
+        absorb += (D - 1) * (extra + pm)
+        total = body + D * Ks * pm
+        lb = np.maximum(lb, M * (1 - 1 / D) + (total - absorb) / D)
+    return lb
 
 
 def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per_k: int, gpus: int,
-                     max_width: int, cost: CostModel) -> float:
+                     max_width: int, cost: CostModel, cap: int | None = None, lockstep: bool = False,
+                     single: float | None = None) -> float:
     """min over K >= K_lb of LB(K): a lower bound on the step time of any plan the config allows."""
     n = lens.size
     if n == 0:
@@ -91,4 +130,4 @@ def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per
         top = max(K_lb, -(-n // max(bins_per_k, 1)))  # beyond one sample per micro-batch LB only grows
         Ks = np.arange(K_lb, top + 1)
     return float(time_lower_bounds(costs, lens, Ks, bins_per_k=bins_per_k, gpus=gpus, max_width=max_width,
-                                   cost=cost).min())
+                                   cost=cost, cap=cap, lockstep=lockstep, single=single).min())

@@ -1,0 +1,150 @@
+"""CostMeter on simulated machines: does planning with the metered model approach planning with the truth?
+
+Design note. For each trace family × dp × seed × truth (``benchmarks/truths.py``: attention 1.5x
+or 2.5x slower per FLOP with a 2 % per-micro overhead, or a dense kernel whose attention is T² of
+the packed row), a run of optimizer steps is planned one at a time. Each step is planned with
+``meter.cost()`` (the prior — ``FlopsCost.from_hf_config`` of a 7B model, the hedged default —
+before any record), "run" on the simulated machine (truth cost x (1 + 3 % noise) per
+micro-batch and rank), and every micro-batch's time is recorded. After 3 warm-up steps the next
+3 steps are scored by lockstep time under the noise-free truth / the truth's lower bound, side by
+side with the same step planned with the truth itself (oracle) and with the prior alone
+(uncalibrated). Under the packed-T² truth the uncalibrated planner is also run with the cap
+divided by 1..8 and the best of those is the reference ("told a smaller cap").
+
+Targets (issue 9): metered lockstep/LB <= 1.003 median, <= 1.01 worst, within 0.002 of the oracle,
+on every family at dp 8 and 32; packed-T²: metered within 0.5 % of the best smaller-cap plan.
+
+Run: ``python -m benchmarks.bench_meter [--quick]``; writes ``benchmarks/results/meter-<date>-<host>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import microplan as mp  # noqa: E402
+
+from benchmarks._results import save_json  # noqa: E402
+from benchmarks.bench_planners import FAMILIES, SPG  # noqa: E402
+from benchmarks.truths import LLAMA2_7B, measured_seconds, score, steps_of, truth  # noqa: E402
+
+WARMUP, SCORED, NOISE = 3, 3, 0.03
+TRUTHS = {"attn1.5": (1.5, 0.02, False), "attn2.5": (2.5, 0.02, False), "dense-T2": (2.5, 0.02, True)}
+
+
+def run_case(family: str, dp: int, seed: int, truth_name: str) -> dict:
+    max_len, cap, group = FAMILIES[family]
+    slow, over, packed = TRUTHS[truth_name]
+    machine = truth(slow, over, cap, packed=packed)
+    prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
+    meter = mp.CostMeter(prior=prior)
+    rng = np.random.default_rng(seed)
+    spg = SPG[seed % len(SPG)]
+    steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=WARMUP + SCORED, seed=seed)
+    out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
+                     smaller_cap=[], K_metered=[], K_oracle=[])
+    for s, batch in enumerate(steps):
+        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=meter.cost())
+        plan = mp.plan(batch, cfg)
+        if s >= WARMUP:
+            oracle = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=machine))
+            uncal = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=prior))
+            out["metered"].append(score(plan, machine))
+            out["oracle"].append(score(oracle, machine))
+            out["uncal"].append(score(uncal, machine))
+            out["K_metered"].append(plan.steps[0].micro_count)
+            out["K_oracle"].append(oracle.steps[0].micro_count)
+            if packed:
+                best = min(score(mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=max(cap // k, max_len),
+                                                              cost=prior)), machine)
+                           for k in range(1, 9) if cap // k >= int(batch.seq_lens.max()))
+                out["smaller_cap"].append(best)
+        for micro, t in measured_seconds(plan, machine, NOISE, rng):
+            meter.record(micro, t)
+    rep = meter.report()
+    out["meter_error"] = rep.recent_median_error
+    out["fit"] = rep.cost.to_dict()
+    return out
+
+
+def summarise(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["family"], r["dp"], r["truth"]), []).append(r)
+    out = []
+    for (fam, dp, tr), rs in groups.items():
+        cell = lambda key: [v for r in rs for v in r[key]]  # noqa: E731
+        met, ora, unc = np.array(cell("metered")), np.array(cell("oracle")), np.array(cell("uncal"))
+        s = dict(family=fam, dp=dp, truth=tr, steps=int(met.size),
+                 metered=(float(np.median(met)), float(met.max())), oracle=(float(np.median(ora)), float(ora.max())),
+                 uncal=(float(np.median(unc)), float(unc.max())),
+                 gap=(float(np.median(met - ora)), float((met - ora).max())),
+                 meter_error=float(np.median([r["meter_error"] for r in rs if r["meter_error"] is not None])),
+                 K_metered=float(np.median(cell("K_metered"))), K_oracle=float(np.median(cell("K_oracle"))))
+        if cell("smaller_cap"):
+            sc = np.array(cell("smaller_cap"))
+            s["smaller_cap"] = (float(np.median(sc)), float(sc.max()))
+            s["vs_smaller_cap"] = (float(np.median(met / sc)), float((met / sc).max()))
+        out.append(s)
+    return out
+
+
+def format_table(summary: list[dict]) -> str:
+    head = (f"{'family':<19}{'dp':>4}  {'truth':<9}{'metered':>16}{'oracle':>16}{'uncalibrated':>16}"
+            f"{'met-oracle':>18}{'K met/orc':>11}{'meter err':>10}{'best smaller cap':>18}{'met/best':>16}")
+    lines = [head, "-" * len(head)]
+    f2 = lambda x: f"{x[0]:.4f}/{x[1]:.4f}"  # noqa: E731
+    for s in summary:
+        sc = f2(s["smaller_cap"]) if "smaller_cap" in s else "-"
+        vs = f2(s["vs_smaller_cap"]) if "vs_smaller_cap" in s else "-"
+        lines.append(f"{s['family']:<19}{s['dp']:>4}  {s['truth']:<9}{f2(s['metered']):>16}{f2(s['oracle']):>16}"
+                     f"{f2(s['uncal']):>16}{s['gap'][0]:>+9.4f}/{s['gap'][1]:+.4f}"
+                     f"{s['K_metered']:>6.0f}/{s['K_oracle']:<4.0f}{s['meter_error']:>10.1%}{sc:>18}{vs:>16}")
+    return "\n".join(lines)
+
+
+def check_targets(summary: list[dict]) -> dict[str, bool]:
+    plain = [s for s in summary if s["truth"] != "dense-T2"]
+    dense = [s for s in summary if s["truth"] == "dense-T2"]
+    return {
+        "metered lockstep/LB <= 1.003 median": all(s["metered"][0] <= 1.003 for s in plain),
+        "metered lockstep/LB <= 1.01 worst": all(s["metered"][1] <= 1.01 for s in plain),
+        "metered within 0.002 of oracle (median)": all(s["gap"][0] <= 0.002 for s in plain),
+        "dense-T2: metered within 0.5% of best smaller cap (median)":
+            all(s["vs_smaller_cap"][0] <= 1.005 for s in dense),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="2 seeds instead of 6")
+    ap.add_argument("--no-write", action="store_true")
+    args = ap.parse_args(argv)
+    seeds = range(2) if args.quick else range(6)
+    rows = [run_case(fam, dp, seed, tr) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
+    summary = summarise(rows)
+    print(f"lockstep / LB under the simulated truth (median/worst over {len(seeds)} seeds x {SCORED} scored steps, "
+          f"after {WARMUP} warm-up steps; {NOISE:.0%} timing noise); prior: FlopsCost.from_hf_config(7B) default")
+    print(format_table(summary))
+    targets = check_targets(summary)
+    for k, ok in targets.items():
+        print(f"  {'met' if ok else 'MISSED'}: {k}")
+    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                  truths={k: dict(zip(("attention_slowdown", "overhead", "packed"), v)) for k, v in TRUTHS.items()},
+                  warmup=WARMUP, scored=SCORED, noise=NOISE, targets=targets, summary=summary, rows=rows)
+    if not args.no_write:
+        stem = save_json("meter", result)
+        print(f"wrote {stem}.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()

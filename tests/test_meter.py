@@ -1,0 +1,165 @@
+"""CostMeter: the online cost model — prior until records arrive, MAP fit, bounded memory, drift."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import microplan as mp
+from microplan.cost.calibrate import calibrate, calibration_row
+
+# A 7B-like truth in seconds: attention 2x slower per FLOP than the prior assumes, a per-micro cost.
+PRIOR = mp.FlopsCost(linear=4.2e10, quadratic=7.9e5 * 1.0, per_micro=0.0)          # FLOPs, attention at 1x
+TRUTH = mp.FlopsCost(linear=4.2e10 * 1e-15, quadratic=7.9e5 * 2.0 * 1e-15, per_micro=0.03)
+
+
+def _micros(rng: np.random.Generator, n: int, cap: int = 32768) -> list[np.ndarray]:
+    """Micro-batches of a long-tailed mix, filled toward the cap (what a planner produces)."""
+    out = []
+    for _ in range(n):
+        lens, tot = [], 0
+        while True:
+            L = int(np.clip(rng.lognormal(np.log(1500), 1.0), 16, 16384))
+            if tot + L > cap:
+                break
+            lens.append(L)
+            tot += L
+        out.append(np.array(lens or [cap // 2]))
+    return out
+
+
+def _feed(meter: mp.CostMeter, truth: mp.FlopsCost, micros, rng, noise=0.03) -> None:
+    for m in micros:
+        meter.record(m, truth.micro_cost(m) * (1 + noise * rng.standard_normal()))
+
+
+def test_prior_until_records_then_seconds():
+    meter = mp.CostMeter(prior=PRIOR)
+    assert meter.cost() is PRIOR                      # nothing measured: the prior itself
+    assert isinstance(mp.CostMeter().cost(), mp.TokenCost)
+    meter.record([1000, 3000], 0.5)
+    fit = meter.cost()
+    assert isinstance(fit, mp.FlopsCost)
+    # one record: the prior's shape, rescaled to explain it
+    assert fit.micro_cost([1000, 3000]) == pytest.approx(0.5, rel=0.05)
+    assert fit.quadratic / fit.linear == pytest.approx(PRIOR.quadratic / PRIOR.linear, rel=0.05)
+
+
+def test_learns_the_attention_slowdown_and_per_micro():
+    rng = np.random.default_rng(0)
+    meter = mp.CostMeter(prior=PRIOR)
+    _feed(meter, TRUTH, _micros(rng, 200), rng)
+    fit = meter.cost()
+    ratio = (fit.quadratic / fit.linear) / (TRUTH.quadratic / TRUTH.linear)
+    assert 0.9 < ratio < 1.1, ratio                     # the prior said 0.5x
+    held = _micros(rng, 50)
+    err = [abs(fit.micro_cost(m) / TRUTH.micro_cost(m) - 1) for m in held]
+    assert np.median(err) < 0.01 and max(err) < 0.03
+
+
+def test_collinear_rows_stay_near_the_prior():
+    """Every micro-batch alike (the rows a balanced plan produces): a plain fit cannot separate the
+    terms (calibrate refuses); the meter keeps the prior's shape, rescaled, and predicts those rows."""
+    rng = np.random.default_rng(1)
+    same = [np.array([2048] * 16)] * 40
+    with pytest.raises(mp.PlanError, match="cannot separate"):
+        calibrate([calibration_row(m, TRUTH.micro_cost(m)) for m in same], packed=False)
+    meter = mp.CostMeter(prior=PRIOR)
+    _feed(meter, TRUTH, same, rng, noise=0.01)
+    fit = meter.cost()
+    ratio = (fit.quadratic / fit.linear) / (PRIOR.quadratic / PRIOR.linear)
+    assert 0.5 < ratio < 2.0                           # not thrown off by the unidentified direction
+    assert fit.micro_cost(same[0]) == pytest.approx(TRUTH.micro_cost(same[0]), rel=0.02)
+
+
+def test_detects_a_packed_row_kernel():
+    """A dense kernel (T² of the packed row): single-sample micro-batches cost like the prior's
+    attention, packed ones do not scale with Σ L² — the fit moves attention to packed_quadratic."""
+    rng = np.random.default_rng(2)
+    truth = mp.FlopsCost(linear=TRUTH.linear, packed_quadratic=2 * TRUTH.quadratic, per_micro=0.03)
+    meter = mp.CostMeter(prior=PRIOR)
+    micros = _micros(rng, 150, cap=16384) + [np.array([L]) for L in (2048, 4096, 8192, 16384)] * 5
+    _feed(meter, truth, micros, rng, noise=0.02)
+    fit = meter.cost()
+    assert fit.packed_quadratic > 5 * fit.quadratic
+    for m in (np.array([16384]), np.array([512] * 32), np.array([8192, 4096, 4096])):
+        assert fit.micro_cost(m) == pytest.approx(truth.micro_cost(m), rel=0.05)
+
+
+def test_window_bounds_memory_and_decay_follows_drift():
+    rng = np.random.default_rng(3)
+    meter = mp.CostMeter(prior=PRIOR, window=64, half_life=32)
+    _feed(meter, TRUTH, _micros(rng, 200), rng)
+    slower = mp.FlopsCost(linear=TRUTH.linear * 1.5, quadratic=TRUTH.quadratic * 1.5, per_micro=TRUTH.per_micro * 1.5)
+    probe = _micros(rng, 1)[0]
+    meter.cost()                                        # the model handed out before the drift
+    _feed(meter, slower, _micros(rng, 64), rng)
+    rep = meter.report()
+    assert rep.window_records == 64 and rep.num_records == 264
+    assert rep.recent_median_error > 0.3                # the planned-with model is visibly off
+    assert meter.cost().micro_cost(probe) == pytest.approx(slower.micro_cost(probe), rel=0.05)
+    assert "CostMeter" in str(rep) and "records" in str(rep)
+
+
+def test_report_before_and_after():
+    meter = mp.CostMeter(prior=PRIOR)
+    rep = meter.report()
+    assert rep.num_records == 0 and rep.recent_median_error is None and rep.fit_median_error is None
+    rng = np.random.default_rng(4)
+    meter.cost()
+    _feed(meter, TRUTH, _micros(rng, 30), rng, noise=0.0)
+    refit = meter.cost()
+    _feed(meter, TRUTH, _micros(rng, 30), rng, noise=0.0)
+    rep = meter.report()
+    assert rep.recent_median_error < 0.05               # predicted by the refit model
+    assert rep.fit_median_error < 0.02 and rep.scale > 0
+    assert refit is not None
+
+
+def test_records_micro_objects_and_cp():
+    batch = mp.Batch([3000, 1000, 500, 20000])
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=12000,
+                                        context_parallel=mp.ContextParallel(size=2)))
+    meter = mp.CostMeter(prior=mp.FlopsCost(linear=1.0, quadratic=1e-4))
+    for micro in plan.rank(0)[0]:
+        meter.record(micro, 0.1)                        # cp_size read from the Micro
+    meter.record_step(plan.rank(1)[0], [0.1] * len(plan.rank(1)[0]))
+    assert meter.num_records == 2 * plan.steps[0].micro_count
+    placeholder = mp.Micro.placeholder()
+    meter.record(placeholder, 0.001)                    # a placeholder: one dummy token
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda m: m.record([100], 0.0), "must be > 0"),
+    (lambda m: m.record([100], float("nan")), "finite"),
+    (lambda m: m.record([0, 5], 1.0), ">= 1"),
+    (lambda m: m.record("abc", 1.0), "lengths"),
+    (lambda m: m.record_step([[1]], [1.0, 2.0]), "2 timings"),
+    (lambda m: mp.CostMeter(prior="flops"), "cost model"),
+    (lambda m: mp.CostMeter(noise=0.0), "> 0"),
+    (lambda m: mp.CostMeter(window=2), ">= 8"),
+])
+def test_bad_input(call, match):
+    with pytest.raises(mp.PlanError, match=match):
+        call(mp.CostMeter())
+
+
+def test_planning_with_the_meter_end_to_end():
+    """The loop of docs/cost.md: plan with meter.cost(), time, record, plan again."""
+    from dataclasses import replace
+    rng = np.random.default_rng(5)
+    batch = mp.Batch(rng.integers(100, 8000, 256))
+    cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=16384, cost=PRIOR)
+    meter = mp.CostMeter(prior=PRIOR)
+    for _ in range(3):
+        plan = mp.plan(batch, replace(cfg, cost=meter.cost()))
+        plan.validate()
+        for r in range(4):
+            for micro in plan.rank(r)[0]:
+                meter.record(micro, TRUTH.micro_cost(micro.seq_lens))
+    fit = meter.cost()
+    assert meter.report().fit_median_error < 0.02
+    held = rng.integers(100, 8000, 8)  # a micro-batch like those the plan runs (~16k tokens)
+    assert fit.micro_cost(held) == pytest.approx(TRUTH.micro_cost(held), rel=0.05)
+    plan = mp.plan(batch, replace(cfg, cost=fit))
+    assert mp.Plan.from_json(plan.to_json()) == plan  # the fitted model serialises with the plan
