@@ -32,7 +32,7 @@ the varlen lower bound (NeMo-RL's sorted buckets: 1.19–1.20 padded/real, 1.26�
 micro_batch_size: 3.7–3.8×). Trade-off: balance within the padded cost is 1.04–1.05× its own
 bound — a padded micro-batch costs a whole multiple of its row, so with 2–10 samples per
 micro-batch slots cannot be evened finer. Cost: O(n log n) per τ, ~30 τ per K, a few K: 10–25 ms
-at n = 0.1–2k (2D: 50–170 ms).
+at n = 0.1–2k (2D: 70–200 ms).
 """
 
 from __future__ import annotations
