@@ -107,8 +107,8 @@ def make_step(family: str, dp: int, spg: int, seed: int, max_len: int | None = N
     b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed)
     pid = np.asarray(b.prompt_ids)                                      # non-decreasing
     cut = int(np.searchsorted(pid, pid[min(target, pid.size) - 1], side="right"))
-    return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_ids=pid[:cut],
-                    rollout_ids=b.rollout_ids[:cut])
+    return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_lens=b.prompt_lens[:cut],
+                    prompt_ids=pid[:cut], rollout_ids=b.rollout_ids[:cut])
 
 
 def run_case(family: str, dp: int, seed: int, cost, planners: list[str], forward_cost=None) -> list[dict]:
@@ -140,13 +140,18 @@ def _agg(vals: list[float], worst=max) -> tuple[float, float]:
     return (float(np.median(vals)), float(worst(vals))) if vals else (float("nan"), float("nan"))
 
 
-def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> list[dict]:
-    """Median and worst of every metric per group of ``keys`` (crashed cases counted apart)."""
+def group_rows(rows: list[dict], keys: tuple[str, ...]) -> dict[tuple, list[dict]]:
+    """Rows grouped by their values of ``keys``, in first-appearance order."""
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
         groups.setdefault(tuple(r[k] for k in keys), []).append(r)
+    return groups
+
+
+def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> list[dict]:
+    """Median and worst of every metric per group of ``keys`` (crashed cases counted apart)."""
     out = []
-    for key, rs in groups.items():
+    for key, rs in group_rows(rows, keys).items():
         ok = [r for r in rs if r["crash"] is None]
         s = dict(zip(keys, key), cases=len(rs), crashes=len(rs) - len(ok))
         for col in ("over_cap", "max_tokens_ratio", "empties", "lockstep_ratio", "step_sync_ratio", "ms"):
@@ -177,10 +182,12 @@ COLUMNS = [("over-cap", 9, lambda s: _mw(s["over_cap"], ".0f")),
            ("crash", 5, lambda s: f"{s['crashes']}")]
 
 
-def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> str:
-    """Fixed-width table; cells are median/worst over the cases of a row."""
+def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planner"), columns: list | None = None) -> str:
+    """Fixed-width table; cells are median/worst over the cases of a row. ``columns``: (name, width,
+    cell function) triples (default: this benchmark's COLUMNS)."""
+    columns = COLUMNS if columns is None else columns
     widths = [max(len(k), *(len(str(s[k])) for s in summary)) for k in keys]
-    head = "  ".join(k.ljust(w) for k, w in zip(keys, widths)) + "  " + "  ".join(n.rjust(w) for n, w, _ in COLUMNS)
+    head = "  ".join(k.ljust(w) for k, w in zip(keys, widths)) + "  " + "  ".join(n.rjust(w) for n, w, _ in columns)
     lines = [head, "-" * len(head)]
     last = None
     for s in summary:
@@ -188,7 +195,7 @@ def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planne
             lines.append("")
         last = s[keys[0]]
         cells = [str(s[k]).ljust(w) for k, w in zip(keys, widths)]
-        lines.append("  ".join(cells) + "  " + "  ".join(f(s).rjust(w) for _, w, f in COLUMNS))
+        lines.append("  ".join(cells) + "  " + "  ".join(f(s).rjust(w) for _, w, f in columns))
     return "\n".join(lines)
 
 
@@ -228,14 +235,21 @@ def plot(summary: list[dict], planners: list[str], path: Path) -> None:
 
 # -- main -----------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def bench_args(argv: list[str] | None, doc: str, planners: list[str],
+               full_dps: tuple[int, ...]) -> tuple[argparse.Namespace, tuple[int, ...], range]:
+    """The options every family × dp × seed benchmark takes; (args, dps, seeds)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="dp 8 and 32, 3 seeds (under ~2 minutes)")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
-    ap.add_argument("--planners", nargs="*", default=list(PLANNERS))
+    ap.add_argument("--planners", nargs="*", default=planners)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
-    dps, seeds = ((8, 32), range(3)) if args.quick else ((8, 32, 128), range(6))
+    dps, seeds = ((8, 32), range(3)) if args.quick else (full_dps, range(6))
+    return args, dps, seeds
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, dps, seeds = bench_args(argv, __doc__, list(PLANNERS), (8, 32, 128))
     cost, fcost = dense_7b_cost(), dense_7b_forward_cost()
     print(f"cost model: FlopsCost(linear={cost.linear:.3g}, quadratic={cost.quadratic:.6g}, "
           f"per_micro={cost.per_micro:.3g})  [~7B dense: 6·7e9 FLOPs/token, 6·32·4096 per L², 256 tokens/micro]")

@@ -35,7 +35,8 @@ import numpy as np
 
 from microplan import FlopsCost
 
-__all__ = ["StepMetrics", "step_metrics", "cost_grid", "dense_7b_cost", "dense_7b_forward_cost", "from_microplan"]
+__all__ = ["StepMetrics", "step_metrics", "cost_grid", "dense_7b_cost", "dense_7b_forward_cost", "from_microplan",
+           "PaddedMetrics", "padded_step_metrics", "padded_width"]
 
 PeerPlan = list[list[np.ndarray]]
 
@@ -141,3 +142,83 @@ def step_metrics(plan: PeerPlan, seq_lens: np.ndarray, *, dp: int, cap: int, cos
 def from_microplan(plan, step: int = 0) -> PeerPlan:
     """A microplan ``Plan``'s step in the plan[r][m] form (placeholders become empty arrays)."""
     return [[np.asarray(m.indices, dtype=np.int64) for m in row] for row in plan.steps[step].micros]
+
+
+# -- padded layouts (benchmarks/bench_layouts.py) ---------------------------------------------------
+
+@dataclass(frozen=True)
+class PaddedMetrics:
+    """One step's scores in a padded layout: every micro-batch of n samples runs as [n, W].
+
+    cost(micro) = per_micro + n·s(W), s(L) = linear·L + quadratic·L² (the padded cost); an empty
+    micro-batch costs per_micro. ``waste`` = Σ n·W / Σ real tokens. ``lb_pad`` = max(Σ padded
+    bodies / dp + K_lb·per_micro, largest padded micro-batch): the balance bound of this plan's
+    own micro-batches (K_lb = ⌈padded tokens / (dp·cap)⌉); ``lb_real`` = the varlen bound of
+    ``step_metrics`` (real sample costs), so lockstep / lb_real folds padding and balance together.
+    """
+
+    over_cap: int
+    max_tokens_ratio: float
+    waste: float
+    equal_counts: bool
+    empties: int
+    lost: int
+    duplicated: int
+    K: int
+    lockstep: float
+    step_sync: float
+    lb_pad: float
+    lb_real: float
+
+    @property
+    def lockstep_ratio(self) -> float:
+        return self.lockstep / self.lb_pad
+
+    @property
+    def real_ratio(self) -> float:
+        return self.lockstep / self.lb_real
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(lockstep_ratio=self.lockstep_ratio, real_ratio=self.real_ratio)
+        return d
+
+
+def padded_width(idx: np.ndarray, lens: np.ndarray, prompt_lens: np.ndarray | None) -> int:
+    """W of a micro-batch: its longest sample, or (2D) longest prompt + longest response."""
+    if not idx.size:
+        return 0
+    if prompt_lens is None:
+        return int(lens[idx].max())
+    return int(prompt_lens[idx].max()) + int((lens[idx] - prompt_lens[idx]).max())
+
+
+def padded_step_metrics(plan: PeerPlan, seq_lens: np.ndarray, *, dp: int, cap: int, cost,
+                        prompt_lens: np.ndarray | None = None) -> PaddedMetrics:
+    """Score one step's ``plan[r][m]`` in a padded layout (see :class:`PaddedMetrics`)."""
+    lens = np.asarray(seq_lens, dtype=np.int64)
+    if len(plan) != dp:
+        raise ValueError(f"plan has {len(plan)} ranks, expected dp={dp}")
+    lost, dup, _ = _lost_duplicated(plan, lens.size)
+    K = max((len(row) for row in plan), default=0)
+    grid = np.zeros((dp, K))
+    held = []
+    for r, row in enumerate(plan):
+        for m, idx in enumerate(row):
+            idx = _real(np.asarray(idx, dtype=np.int64))
+            w = padded_width(idx, lens, prompt_lens)
+            held.append(idx.size * w)
+            grid[r, m] = cost.per_micro + idx.size * float(cost.sample_costs(np.array([w]))[0]) if idx.size else \
+                cost.per_micro
+    body = float((grid - cost.per_micro).clip(min=0).sum())
+    k_lb = max(1, -(-int(sum(held)) // (dp * cap)))
+    lb_pad = max(body / dp + k_lb * cost.per_micro, float(grid.max(initial=0.0)))
+    sc = cost.sample_costs(lens)
+    k_real = max(1, -(-int(lens.sum()) // (dp * cap)))
+    lb_real = max(float(sc.sum()) / dp + k_real * cost.per_micro, float(sc.max(initial=0.0)) + cost.per_micro)
+    return PaddedMetrics(
+        over_cap=sum(1 for h in held if h > cap), max_tokens_ratio=max(held, default=0) / cap,
+        waste=sum(held) / float(lens.sum()), equal_counts=len({len(row) for row in plan}) == 1,
+        empties=sum(1 for row in plan for idx in row if len(idx) == 0), lost=lost, duplicated=dup, K=K,
+        lockstep=float(grid.max(axis=0).sum()) if grid.size else 0.0,
+        step_sync=float(grid.sum(axis=1).max()) if grid.size else 0.0, lb_pad=lb_pad, lb_real=lb_real)

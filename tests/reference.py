@@ -163,13 +163,14 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                 for j, i in enumerate(idx):  # a sample without loss tokens carries no loss
                     if loss_tokens[i] == 0:
                         assert micro.loss_scale[j] == 0.0
-                tokens = sum(int(seq_lens[i]) for i in idx)
+                tokens = held_tokens(idx, seq_lens, plan.batch.prompt_lens, cfg)  # padding included
                 if getattr(cfg, "share_prefixes", False):
                     assert token_ids is not None, "check_plan needs token_ids for a prefix-sharing plan"
                     shared = trie_size(token_ids, idx)
                     assert shared <= tokens
                     tokens = shared
                 assert micro.num_tokens == tokens
+                assert micro.real_tokens == sum(int(seq_lens[i]) for i in idx)
                 if cfg.max_tokens_per_micro is not None:  # invariant 3 (per GPU of the CP group)
                     assert tokens <= micro.cp_size * cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap"
                 else:
@@ -199,6 +200,32 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
     return {"step_of": step_of}
 
 
+def micro_shape(idx: list[int], seq_lens: np.ndarray, prompt_lens: np.ndarray | None, cfg: mp.PlanConfig) -> list[int]:
+    """The sequence lengths the GPU runs for samples ``idx``, from the rules of docs/layouts.md
+    (written out here, not read from microplan.footprint): varlen: each sample padded to a
+    multiple of ``pad_to_multiple_of``, plus the row's pad to a multiple of
+    ``pad_row_to_multiple_of`` as one more sequence; padded: n rows of the longest sample
+    (2D: longest prompt + longest response) rounded up to lcm of both multiples."""
+    m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
+    L = [int(seq_lens[i]) for i in idx]
+    if cfg.layout == "varlen":
+        shape = [-(-x // m) * m for x in L]
+        pad = -(-sum(shape) // r) * r - sum(shape)
+        return shape + ([pad] if pad else [])
+    u = math.lcm(m, r)
+    if cfg.layout == "padded":
+        w = max(L)
+    else:
+        p = [int(prompt_lens[i]) for i in idx]  # type: ignore[index]
+        w = max(p) + max(x - y for x, y in zip(L, p))
+    return [-(-w // u) * u] * len(L)
+
+
+def held_tokens(idx: list[int], seq_lens: np.ndarray, prompt_lens: np.ndarray | None, cfg: mp.PlanConfig) -> int:
+    """Tokens the GPU holds for a micro-batch of samples ``idx`` (0 for a placeholder)."""
+    return sum(micro_shape(idx, seq_lens, prompt_lens, cfg)) if idx else 0
+
+
 def sample_costs(cost: Any, lens: np.ndarray) -> np.ndarray:
     """Per-sample cost from the public fields of TokenCost / FlopsCost (not sample_costs())."""
     L = np.asarray(lens, dtype=np.float64)
@@ -207,15 +234,18 @@ def sample_costs(cost: Any, lens: np.ndarray) -> np.ndarray:
     return cost.linear * L + cost.quadratic * L * L
 
 
-def micro_body(cost: Any, lens: Any) -> float:
+def micro_body(cost: Any, lens: Any, *, rows: bool = False) -> float:
     """One micro-batch's cost without per_micro, from the public fields (DESIGN: "a cost may be
     non-additive over the samples"): Σ per-sample terms, except under a dense kernel
     (packed_quadratic > 0), where a pack of two or more samples costs linear·T + packed_quadratic·T²
-    and a lone sample runs unmasked, priced per sample."""
+    and a lone sample runs unmasked, priced per sample. ``rows``: a padded [n, W] layout, each row
+    its own (masked, when n >= 2) sequence: under a dense kernel each costs linear·W + packed·W²."""
     L = np.asarray(lens, dtype=np.float64)
     T = float(L.sum())
     pq = float(getattr(cost, "packed_quadratic", 0.0))
     if pq > 0 and L.size >= 2:
+        if rows:
+            return float((cost.linear * L + pq * L * L).sum())
         return float(cost.linear) * T + pq * T * T
     return float(sample_costs(cost, L).sum())
 
@@ -232,14 +262,20 @@ def is_dynamic_cp(cfg: mp.PlanConfig) -> bool:
 
 def step_times(plan: mp.Plan, s: int) -> tuple[float, float]:
     """(lockstep, step-sync) time of step s, computed from the micro-batches directly. A micro-batch
-    of CP degree c costs Σ sample costs / c + per_micro per GPU; a placeholder is one dummy token."""
+    of CP degree c costs Σ sample costs of its shape (``micro_shape``) / c + per_micro per GPU; a
+    placeholder is one dummy token."""
     cfg, step = plan.config, plan.steps[s]
     cost = cfg.cost
     dummy = micro_body(cost, [1])
     grid = np.zeros((step.dp_size, step.micro_count))
+    lens, plens = plan.batch.seq_lens, plan.batch.prompt_lens
     for r, row in enumerate(step.micros):
         for m, micro in enumerate(row):
-            body = (dummy if micro.is_placeholder else micro_body(cost, micro.seq_lens)) / micro.cp_size
+            if micro.is_placeholder:
+                body = dummy / micro.cp_size
+            else:
+                shape = np.array(micro_shape(micro.indices.tolist(), lens, plens, cfg))
+                body = micro_body(cost, shape, rows=cfg.layout != "varlen") / micro.cp_size
             grid[r, m] = body + cost.per_micro
     return float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())
 

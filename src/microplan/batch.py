@@ -30,6 +30,8 @@ _FIX = {
                 "empty samples out of the batch.",
     "loss_tokens": "pass each sample's loss-token count (its response-mask sum) as an int from 0 to its seq_lens.",
     "prompt_lens": "pass each sample's prompt token count as an int from 0 to its seq_lens.",
+    "vision_tokens": "pass each sample's vision-encoder patches (0 for a text-only sample) as an int >= 0.",
+    "num_images": "pass each sample's image/video-clip count (0 for a text-only sample) as an int >= 0.",
 }
 
 
@@ -90,6 +92,13 @@ class Batch:
         rollout_ids: one id per sample; samples sharing it are one rollout (the turns of a
             step-wise trajectory). A rollout belongs to exactly one prompt and never spans two
             optimizer steps. Default: every sample is its own rollout.
+        vision_tokens: optional, patches each sample's images/videos feed the vision encoder
+            (ints >= 0; 0 for text-only samples). Capped per micro-batch by
+            ``PlanConfig.max_vision_tokens_per_micro`` and costed by ``PlanConfig.vision_cost``.
+            The LLM tokens the patches become are part of ``seq_lens`` as usual.
+        num_images: optional, images (or video clips) per sample, each a separate ViT attention
+            window of ``vision_tokens / num_images`` patches. Default: 1 where a sample has
+            patches, else 0.
         prefix_parent / shared_prefix_lens: shared prefixes (give both or neither): sample i's
             first ``shared_prefix_lens[i]`` tokens equal those of sample ``prefix_parent[i]``,
             an earlier sample (-1: none, with 0 shared). The samples form a forest of prefix
@@ -103,13 +112,15 @@ class Batch:
     """
 
     __slots__ = ("seq_lens", "loss_tokens", "prompt_lens", "prompt_codes", "rollout_codes",
-                 "prompt_ids", "rollout_ids", "prefix_parent", "shared_prefix_lens")
+                 "prompt_ids", "rollout_ids", "vision_tokens", "num_images", "prefix_parent", "shared_prefix_lens")
 
     def __init__(self, seq_lens: Sequence[int] | np.ndarray, *,
                  loss_tokens: Sequence[int] | np.ndarray | None = None,
                  prompt_lens: Sequence[int] | np.ndarray | None = None,
                  prompt_ids: Sequence[Any] | np.ndarray | None = None,
                  rollout_ids: Sequence[Any] | np.ndarray | None = None,
+                 vision_tokens: Sequence[int] | np.ndarray | None = None,
+                 num_images: Sequence[int] | np.ndarray | None = None,
                  prefix_parent: Sequence[int] | np.ndarray | None = None,
                  shared_prefix_lens: Sequence[int] | np.ndarray | None = None) -> None:
         lens = _ints("seq_lens", seq_lens, minimum=1)
@@ -155,6 +166,7 @@ class Batch:
         self.rollout_codes = rcodes
         self.prompt_ids = pids
         self.rollout_ids = rids
+        self.vision_tokens, self.num_images = _vision(vision_tokens, num_images, n)
         self.prefix_parent, self.shared_prefix_lens = _prefixes(prefix_parent, shared_prefix_lens, lens)
 
     # -- derived sizes -------------------------------------------------------------------
@@ -179,6 +191,11 @@ class Batch:
     def total_tokens(self) -> int:
         return int(self.seq_lens.sum())
 
+    @property
+    def has_vision(self) -> bool:
+        """True when the batch carries vision tokens (``vision_tokens`` given)."""
+        return self.vision_tokens is not None
+
     def __len__(self) -> int:
         return self.num_samples
 
@@ -192,6 +209,8 @@ class Batch:
                 and np.array_equal(self.rollout_codes, other.rollout_codes)
                 and self.prompt_ids == other.prompt_ids
                 and self.rollout_ids == other.rollout_ids
+                and _opt_equal(self.vision_tokens, other.vision_tokens)
+                and _opt_equal(self.num_images, other.num_images)
                 and _opt_equal(self.prefix_parent, other.prefix_parent)
                 and _opt_equal(self.shared_prefix_lens, other.shared_prefix_lens))
 
@@ -204,7 +223,7 @@ class Batch:
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch."""
-        return {
+        d = {
             "seq_lens": self.seq_lens.tolist(),
             "loss_tokens": self.loss_tokens.tolist(),
             "prompt_lens": None if self.prompt_lens is None else self.prompt_lens.tolist(),
@@ -214,6 +233,10 @@ class Batch:
                 "prefix_parent": self.prefix_parent.tolist(),
                 "shared_prefix_lens": self.shared_prefix_lens.tolist()}),  # type: ignore[union-attr]
         }
+        if self.vision_tokens is not None:  # only when present: older readers see the same keys
+            d["vision_tokens"] = self.vision_tokens.tolist()
+            d["num_images"] = self.num_images.tolist()  # type: ignore[union-attr]
+        return d
 
     def fingerprint(self) -> str:
         """SHA-256 hex digest of the canonical JSON of :meth:`to_dict`: equal batches, equal digests."""
@@ -225,8 +248,32 @@ class Batch:
         return cls(np.asarray(d["seq_lens"], dtype=np.int64),
                    loss_tokens=np.asarray(d["loss_tokens"], dtype=np.int64),
                    prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
-                   prefix_parent=d.get("prefix_parent"), shared_prefix_lens=d.get("shared_prefix_lens"),
-                   rollout_ids=d.get("rollout_ids"))
+                   rollout_ids=d.get("rollout_ids"), vision_tokens=d.get("vision_tokens"),
+                   num_images=d.get("num_images"), prefix_parent=d.get("prefix_parent"),
+                   shared_prefix_lens=d.get("shared_prefix_lens"))
+
+
+def _vision(vision_tokens: Any, num_images: Any, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """Validated (vision_tokens, num_images), or (None, None) for a text-only batch."""
+    if vision_tokens is None:
+        if num_images is not None:
+            raise PlanError("num_images was given without vision_tokens; pass vision_tokens (patches per sample) "
+                            "too, or drop num_images.")
+        return None, None
+    v = _ints("vision_tokens", vision_tokens, minimum=0)
+    _same_length("vision_tokens", v, n)
+    if num_images is None:
+        imgs = (v > 0).astype(np.int64)
+        imgs.setflags(write=False)
+    else:
+        imgs = _ints("num_images", num_images, minimum=0)
+        _same_length("num_images", imgs, n)
+    bad = (imgs == 0) != (v == 0)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise PlanError(f"sample {i} has vision_tokens={int(v[i])} but num_images={int(imgs[i])}; a sample has "
+                        "patches exactly when it has images: pass num_images >= 1 with its patches, or 0 with 0.")
+    return v, imgs
 
 
 def _prefixes(parent: Any, shared: Any, lens: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:

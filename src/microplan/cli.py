@@ -70,6 +70,10 @@ def _config_line(cfg: PlanConfig) -> str:
     align = f" · align {cfg.align}" if cfg.align > 1 else ""
     pp = (f" · PP {cfg.pipeline_stages}" + (f"×{cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else "")
           if cfg.pipeline_stages > 1 else "")
+    pads = [f"layout {cfg.layout}"] if cfg.layout != "varlen" else []
+    pads += [f"pad to {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
+    pads += [f"row to {cfg.pad_row_to_multiple_of}"] if cfg.pad_row_to_multiple_of > 1 else []
+    align += "".join(f" · {x}" for x in pads)
     assert cfg.cost is not None and cfg.loss is not None
     return (f"dp={cfg.dp_size} · {cap}{cpd}{align}{pp} · sync={cfg.sync} · short_step={cfg.short_step} · "
             f"cost {type(cfg.cost).__name__} · loss {cfg.loss.mode}")
@@ -242,6 +246,12 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="plan a forward-only pass (old/reference log-probs): one step, every sample, loss scale 0")
     p.add_argument("--like", metavar="PLAN.json",
                    help="plan the forward pass in the layout of this (training) plan, for bit-identical log-probs")
+    p.add_argument("--layout", choices=("varlen", "padded", "padded-2d"), default="varlen",
+                   help="what a micro-batch occupies: one packed row, [n, max len], or [n, max prompt + max response]")
+    p.add_argument("--pad-to-multiple-of", type=_int(1), default=1, metavar="M",
+                   help="pad every sample to a multiple of M (2·cp for zigzag CP, 16 for FP8)")
+    p.add_argument("--pad-row-to-multiple-of", type=_int(1), default=1, metavar="R",
+                   help="pad the packed row to a multiple of R (tp for sequence-parallel TP)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -301,7 +311,8 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
     return PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, micro_batch_size=args.micro_batch_size,
                       steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
                       loss=loss, context_parallel=cp, seed=args.seed, pipeline_stages=args.pipeline_stages,
-                      virtual_stages=args.virtual_stages)
+                      virtual_stages=args.virtual_stages, layout=args.layout,
+                      pad_to_multiple_of=args.pad_to_multiple_of, pad_row_to_multiple_of=args.pad_row_to_multiple_of)
 
 
 def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:

@@ -7,13 +7,16 @@ is a :class:`PlanError` naming the field, the constraint and the fix. Units are 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._checks import float_field
 from ._checks import int_field as _int_field
 from .cost.models import CostModel, FlopsCost, TokenCost, cost_from_dict
+from .cost.vision import VisionCost
 from .errors import PlanError
+from .footprint import LAYOUTS, Layout
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
 
@@ -34,6 +37,12 @@ _INT_FIX = {
                                   "parallelism), an int >= 1.",
     "PlanConfig.virtual_stages": "set virtual_stages to the model chunks per pipeline stage (Megatron's "
                                  "virtual_pipeline_model_parallel_size; 1 without interleaving), an int >= 1.",
+    "PlanConfig.pad_to_multiple_of": "pass the multiple every sample is padded to (1: none; 2·cp for zigzag ring "
+                                     "attention, 16 for FP8/Transformer Engine kernels).",
+    "PlanConfig.pad_row_to_multiple_of": "pass the multiple the packed row is padded to (1: none; tp for "
+                                         "sequence-parallel TP, cp·tp under context parallel).",
+    "PlanConfig.max_vision_tokens_per_micro": "set it to the most vision-encoder patches one GPU may process in "
+                                              "one micro-batch, an int >= 1, or None for no vision cap.",
 }
 
 
@@ -213,6 +222,19 @@ class PlanConfig:
             ``virtual_pipeline_model_parallel_size``); > 1 selects the interleaved 1F1B schedule,
             whose micro-batch group (``microbatch_group_size_per_vp_stage``) is ``align`` and
             must be >= ``pipeline_stages``.
+        layout: what a micro-batch occupies on the GPU, so what the cap counts (docs/layouts.md):
+            ``"varlen"`` (one packed row, the default), ``"padded"`` (``[n, max L]``) or
+            ``"padded-2d"`` (``[n, max prompt + max response]``, prompts left- and responses
+            right-padded; needs ``Batch(prompt_lens=...)``). The cost model sees that shape.
+        pad_to_multiple_of: m: each sample occupies ⌈L/m⌉·m tokens (varlen), the row width is a
+            multiple of m (padded). 2·cp for zigzag ring attention, 16 for FP8 kernels.
+        pad_row_to_multiple_of: r: the packed row (varlen, all CP ranks together) is padded to a
+            multiple of r, counted in the cap; padded layouts round the row width up to it.
+            tp for sequence-parallel TP (cp·tp under context parallel).
+        max_vision_tokens_per_micro: most vision-encoder patches (``Batch.vision_tokens``) one
+            micro-batch may hold; None: no vision cap.
+        vision_cost: the cost of vision patches (:class:`VisionCost`); None: a patch costs like
+            an LLM token of the cost model (``linear``/``quadratic`` within each image).
     """
 
     dp_size: int
@@ -229,6 +251,12 @@ class PlanConfig:
     share_prefixes: bool = False
     pipeline_stages: int = 1
     virtual_stages: int = 1
+    # -- what a micro-batch occupies on the GPU (footprint.py, docs/layouts.md) --
+    layout: Layout = "varlen"
+    pad_to_multiple_of: int = 1
+    pad_row_to_multiple_of: int = 1
+    max_vision_tokens_per_micro: int | None = None
+    vision_cost: VisionCost | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -291,6 +319,7 @@ class PlanConfig:
         if self.share_prefixes and self.context_parallel is not None:
             raise PlanError("PlanConfig.share_prefixes=True with context_parallel is not supported yet: a prefix tree "
                             "is not split over a CP group. Drop context_parallel, or plan without sharing.")
+        _check_layout(self, set_)
         self._check_pipeline()
 
     def _check_pipeline(self) -> None:
@@ -336,6 +365,7 @@ class PlanConfig:
             "seed": self.seed,
             **({"share_prefixes": True} if self.share_prefixes else {}),
             "pipeline_stages": self.pipeline_stages, "virtual_stages": self.virtual_stages,
+            **_layout_dict(self),
         }
 
     @classmethod
@@ -347,4 +377,69 @@ class PlanConfig:
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
                    seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)),
-                   pipeline_stages=d.get("pipeline_stages", 1), virtual_stages=d.get("virtual_stages", 1))
+                   pipeline_stages=d.get("pipeline_stages", 1), virtual_stages=d.get("virtual_stages", 1),
+                   **_layout_from_dict(d))
+
+
+# -- layouts, padding rules and vision tokens (issue 11; footprint.py) ------------------------------
+
+_LAYOUT_DEFAULTS: dict[str, Any] = {"layout": "varlen", "pad_to_multiple_of": 1, "pad_row_to_multiple_of": 1,
+                                    "max_vision_tokens_per_micro": None, "vision_cost": None}
+
+
+def _check_layout(cfg: PlanConfig, set_: Any) -> None:
+    """Validate the layout fields (called at the end of ``PlanConfig.__post_init__``)."""
+    if cfg.layout not in LAYOUTS:
+        raise PlanError(f"PlanConfig.layout={cfg.layout!r} is not a layout; choose 'varlen' (one packed row), "
+                        "'padded' ([n, max L]) or 'padded-2d' ([n, max prompt + max response]).")
+    for name in ("pad_to_multiple_of", "pad_row_to_multiple_of"):
+        v = int_field(f"PlanConfig.{name}", getattr(cfg, name), minimum=1)
+        if v > 2 ** 20:
+            raise PlanError(f"PlanConfig.{name}={v} is beyond any kernel's tile (at most 2**20); "
+                            + _INT_FIX[f"PlanConfig.{name}"])
+        set_(name, v)
+    cap = None if cfg.max_tokens_per_micro is None else cfg.max_tokens_per_micro * cfg.static_cp_size
+    unit = math.lcm(cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of) if cfg.layout != "varlen" \
+        else cfg.pad_row_to_multiple_of
+    if cap is not None and unit > cap:
+        raise PlanError(f"padding to a multiple of {unit} tokens exceeds max_tokens_per_micro={cfg.max_tokens_per_micro}"
+                        f"{f' × cp size {cfg.static_cp_size}' if cfg.static_cp_size > 1 else ''}: every micro-batch "
+                        "would be over the cap; lower pad_row_to_multiple_of / pad_to_multiple_of or raise the cap.")
+    m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
+    if cfg.layout == "varlen" and cfg.static_cp_size > 1 and m > 1 and r > 1 and r % m:
+        raise PlanError(f"under context parallel the row's trailing pad sequence must split like a sample (zigzag "
+                        f"chunks): pad_row_to_multiple_of={r} must be a multiple of pad_to_multiple_of={m}; use "
+                        f"{math.lcm(m, r)}.")
+    v = cfg.max_vision_tokens_per_micro
+    if v is not None:
+        set_("max_vision_tokens_per_micro", int_field("PlanConfig.max_vision_tokens_per_micro", v, minimum=1))
+        if cfg.max_tokens_per_micro is None:
+            raise PlanError("max_vision_tokens_per_micro needs dynamic batching: set max_tokens_per_micro, not "
+                            "micro_batch_size.")
+    if cfg.vision_cost is not None and not isinstance(cfg.vision_cost, VisionCost):
+        raise PlanError(f"PlanConfig.vision_cost must be a microplan.VisionCost or None, got {cfg.vision_cost!r}; "
+                        "pass e.g. vision_cost=VisionCost(linear=..., quadratic=...).")
+    if cfg.share_prefixes and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items() if k != "vision_cost"):
+        raise PlanError("share_prefixes=True packs prefix trees in one varlen row; padded layouts, padding multiples "
+                        "and a vision cap are not supported with it yet: drop them, or plan without sharing.")
+    cp = cfg.context_parallel
+    if cp is not None and cp.dynamic and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items()
+                                            if k != "vision_cost"):
+        raise PlanError("layouts other than plain varlen (layout, pad_to_multiple_of, pad_row_to_multiple_of, "
+                        "max_vision_tokens_per_micro) are not supported with dynamic context parallel yet; use "
+                        "ContextParallel(size=c) (fixed CP) or the defaults.")
+
+
+def _layout_dict(cfg: PlanConfig) -> dict[str, Any]:
+    """The layout fields that differ from their defaults (so older plans' JSON is unchanged)."""
+    out = {k: getattr(cfg, k) for k, d in _LAYOUT_DEFAULTS.items() if getattr(cfg, k) != d}
+    if cfg.vision_cost is not None:
+        out["vision_cost"] = cfg.vision_cost.to_dict()
+    return out
+
+
+def _layout_from_dict(d: dict[str, Any]) -> dict[str, Any]:
+    out = {k: d.get(k, v) for k, v in _LAYOUT_DEFAULTS.items()}
+    if out["vision_cost"] is not None:
+        out["vision_cost"] = VisionCost.from_dict(out["vision_cost"])
+    return out

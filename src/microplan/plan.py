@@ -18,6 +18,7 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
+from .footprint import footprint_of, micro_footprint
 from .prefix import micro_tree
 from .stages.share import forest_of
 from .stats import compute_stats
@@ -118,10 +119,11 @@ class Plan:
         try:
             batch = Batch.from_dict(d["batch"])
             config = PlanConfig.from_dict(d["config"])
+            mfp = micro_footprint(footprint_of(batch, config))
             steps = []
             choices = d.get("choices") or [None] * len(d["steps"])
             for s, rows in enumerate(d["steps"]):
-                micros = [[_micro_from_dict(m, batch, config.share_prefixes) for m in row] for row in rows]
+                micros = [[_micro_from_dict(m, batch, config.share_prefixes, mfp) for m in row] for row in rows]
                 idx = [m.indices for row in micros for m in row if m.cp_rank == 0]
                 samples = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
                 choice = None if choices[s] is None else KChoice.from_dict(choices[s])
@@ -149,7 +151,7 @@ class Plan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
-def _micro_from_dict(m: dict[str, Any], batch: Batch, shared: bool) -> Micro:
+def _micro_from_dict(m: dict[str, Any], batch: Batch, shared: bool, fp: Any = None) -> Micro:
     lens, lt = batch.seq_lens, batch.loss_tokens
     idx = np.asarray(m["indices"], dtype=np.int64)
     if idx.size and (idx.min() < 0 or idx.max() >= lens.size):
@@ -159,4 +161,4 @@ def _micro_from_dict(m: dict[str, Any], batch: Batch, shared: bool) -> Micro:
         parent, sh = forest_of(batch)
         tree = micro_tree(parent, sh, lens, idx)
     return Micro(idx, lens[idx], lt[idx], np.asarray(m["loss_scale"], dtype=np.float64),
-                 cp_size=m["cp_size"], cp_rank=m["cp_rank"], cp_group=tuple(m["cp_group"]), tree=tree)
+                 cp_size=m["cp_size"], cp_rank=m["cp_rank"], cp_group=tuple(m["cp_group"]), footprint=fp, tree=tree)

@@ -5,21 +5,27 @@ by predicted time, pack under the cap, apply short_step), arrange the dp·K micr
 the ranks × slots grid, and weigh every sample. No I/O, no collectives, no global state: any
 process that holds the same batch and config computes the same plan, bit for bit. Measured: a
 16,384-sample step at dp=128 plans in ~25 ms (benchmarks/bench_speed.py).
+
+Layouts: one :class:`~microplan.footprint.Footprint` per plan says what a micro-batch occupies
+(padding, padded rows, vision tokens); the packers, the arrangement and every Micro use it.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
-from .cost.models import bin_costs
 from .errors import PlanError
+from .footprint import Footprint, check_fits, footprint_of, micro_footprint
 from .plan import Plan
 from .stats import step_cost_grid
 from .stages.assign import arrange
 from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
+from .stages.layout import step_layout
 from .stages.micros import binned_micros
 from .stages.share import plan_shared_step
 from .stages.pipeline import order_step
@@ -37,10 +43,14 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
     if not isinstance(config, PlanConfig):
         raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
     dynamic_cp = config.context_parallel is not None and config.context_parallel.dynamic
-    step_planner = plan_shared_step if config.share_prefixes else plan_dynamic_cp_step if dynamic_cp else _plan_step
+    fp = footprint_of(batch, config)
+    if not config.share_prefixes:
+        check_fits(fp, config)  # shared plans refuse a sample over the cap in stages/share.py
+    step_planner = plan_shared_step if config.share_prefixes else \
+        plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
     split = split_steps(batch, config.steps)
     assert config.cost is not None
-    costs = config.cost.sample_costs(batch.seq_lens)
+    costs = fp.sample_costs(config.cost)
     reasons = {int(i): split.reason for i in split.dropped}
     steps: list[Step] = []
     for samples in split.steps:
@@ -54,27 +64,23 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
 
 
 def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
-               cfg: PlanConfig) -> tuple[Step, np.ndarray, str]:
-    lens = batch.seq_lens[samples]
-    fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg)
+               cfg: PlanConfig, *, fp: Footprint) -> tuple[Step, np.ndarray, str]:
+    lens = fp.sample_tokens[samples]  # what each sample occupies (padding included)
+    fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg,
+                   step_layout(micro_footprint(fp), samples, cfg))
     kept = samples[fit.kept]
     D, K = cfg.dp_size, fit.micro_count
-    bin_of, lens_k, costs_k = fit.bin_of, batch.seq_lens[kept], costs[kept]
-    grid = arrange(_micro_costs(cfg, bin_of, lens_k, costs_k, D * K), D, K)
+    bin_of = fit.bin_of
+    grid = arrange(fp.bin_costs(cfg.cost, kept, bin_of, D * K), D, K)  # type: ignore[arg-type]
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     bins = binned_micros(kept, bin_of, D * K, scale, batch)
     cp = cfg.static_cp_size
-    trusted = Micro._trusted
-    micros = [[trusted(*bins[b], cp, 0, (r,)) for b in grid[r].tolist()] for r in range(D)]
+    trusted, mfp = Micro._trusted, micro_footprint(fp)
+    micros = [[trusted(*bins[b], cp, 0, (r,), footprint=mfp) for b in grid[r].tolist()] for r in range(D)]
     dropped = samples[fit.dropped]
     why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
            f"= {D} × {cfg.align} micro-batches")
     return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
 
-
-def _micro_costs(cfg: PlanConfig, bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, nb: int) -> np.ndarray:
-    """Predicted cost of each of the ``nb`` micro-batches (placeholders: per_micro only)."""
-    return bin_costs(cfg.cost, np.bincount(bin_of, weights=costs, minlength=nb),  # type: ignore[arg-type]
-                     np.bincount(bin_of, weights=lens, minlength=nb), np.bincount(bin_of, minlength=nb))

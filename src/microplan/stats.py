@@ -1,9 +1,11 @@
 """Predicted times and bounds of a plan under its cost model (see PlanStats for definitions).
 
-A micro-batch costs its cost model's ``micro_cost`` (samples' additive cost, the packed-row
-term in its total T, and ``per_micro``); over a CP group of c GPUs each GPU does 1/c of the
-token work: (micro_cost − per_micro) / c + per_micro. A placeholder runs one dummy token
-(so it never costs more than a real micro-batch). The lower bound of a step is
+A micro-batch costs its cost model's ``micro_cost`` of the shape its layout gives it
+(``footprint.py``: padded sample lengths and the row pad, or n rows of the padded width; plus
+vision work), with the packed-row term in its total T, and ``per_micro``; over a CP group of c
+GPUs each GPU does 1/c of the token work: (micro_cost − per_micro) / c + per_micro. A
+placeholder runs one dummy token (so it never costs more than a real micro-batch).
+``max_micro_tokens`` is the footprint per GPU: ⌈tokens held, padding included / cp_size⌉. The lower bound of a step is
 min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
 max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro).
 With pipeline parallelism the step's wall time under the 1F1B (or interleaved) schedule is
@@ -22,6 +24,7 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .cost.models import bin_costs
+from .footprint import Footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, micro_tree
 from .stages.kchoice import best_lower_bound
 from .stages.share import forest_of
@@ -31,28 +34,27 @@ from .types import PlanStats, Step, StepStats
 __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
 
 
-def step_cost_grid(batch: Batch, config: PlanConfig, step: Step) -> np.ndarray:
+def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
     """``cost[r, m]`` of every micro-batch of one step, on the GPU(s) of rank r."""
     cost = config.cost
     assert cost is not None
+    fp = footprint_of(batch, config) if fp is None else fp
     D, K = step.dp_size, step.micro_count
     flat = [m for row in step.micros for m in row]
     sizes = np.array([m.indices.size for m in flat], dtype=np.int64)
     idx = np.concatenate([m.indices for m in flat]) if flat else np.zeros(0, dtype=np.int64)
     owner = np.repeat(np.arange(len(flat)), sizes)
-    lens = batch.seq_lens[idx]
-    additive = np.bincount(owner, weights=cost.sample_costs(lens), minlength=len(flat))
-    tokens = np.bincount(owner, weights=lens, minlength=len(flat)).astype(np.float64)
+    body = fp.bin_costs(cost, idx, owner, len(flat))
     for k, m in enumerate(flat):  # prefix-shared micro-batches: unique tokens, attention by depth
         if m.tree is not None:
-            tokens[k] = m.tree.num_tokens
-            additive[k] = float(cost.tree_costs(np.array([m.tree.num_tokens]),  # type: ignore[attr-defined]
-                                                np.array([m.tree.depth_sq]))[0])
+            add = float(cost.tree_costs(np.array([m.tree.num_tokens]),  # type: ignore[attr-defined]
+                                        np.array([m.tree.depth_sq]))[0]) + (
+                0.0 if fp.vision_costs is None else float(fp.vision_costs[m.indices].sum()))
+            body[k] = bin_costs(cost, np.array([add]), np.array([float(m.tree.num_tokens)]), m.tree.members.size)[0]
     empty = sizes == 0  # placeholders: one dummy token
-    additive[empty] = float(cost.sample_costs(np.ones(1, dtype=np.int64))[0])
-    tokens[empty] = 1.0
-    count = np.array([m.tree.members.size if m.tree is not None else m.indices.size for m in flat], dtype=np.int64)
-    body = bin_costs(cost, additive, tokens, count) - cost.per_micro
+    one = np.ones(1, dtype=np.float64)
+    body[empty] = bin_costs(cost, cost.sample_costs(one), one, 1)[0]
+    body = body - cost.per_micro
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
     return (body / width + cost.per_micro).reshape(D, K)
 
@@ -62,14 +64,18 @@ def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
     return step_cost_grid(plan.batch, plan.config, plan.steps[step_index])  # type: ignore[attr-defined]
 
 
-def k_lower_bound(cfg: PlanConfig, n: int, tokens: int) -> int:
-    """ceil(need / dp) micro-batches per rank, and at least the pipeline stages."""
+def k_lower_bound(cfg: PlanConfig, n: int, tokens: int, vision: int = 0) -> int:
+    """⌈tokens / (dp · cap)⌉, tokens as the samples occupy them at least (padded alone, or the
+    step's unique tokens), the cap less the row multiple; the same for vision tokens under their
+    cap; and at least the pipeline stages. Static batching: ⌈n / (dp · micro_batch_size)⌉."""
     if cfg.micro_batch_size is not None:
-        need = -(-n // (cfg.dp_size * cfg.micro_batch_size))
-    else:
-        assert cfg.max_tokens_per_micro is not None
-        need = -(-tokens // (cfg.dp_size * cfg.static_cp_size * cfg.max_tokens_per_micro))
-    return max(1, need, cfg.pipeline_stages)
+        return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)), cfg.pipeline_stages)
+    cap = packing_cap(cfg)
+    assert cap is not None
+    k = max(1, -(-tokens // (cfg.dp_size * cap)))
+    if vision and cfg.max_vision_tokens_per_micro is not None:
+        k = max(k, -(-vision // (cfg.dp_size * cfg.max_vision_tokens_per_micro)))
+    return max(k, cfg.pipeline_stages)
 
 
 def _max_cp(cfg: PlanConfig) -> int:
@@ -79,11 +85,13 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) -> float:
+def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, fp: Footprint | None = None) -> float:
     """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
 
     With shared prefixes the work any plan does at least once is the step's prefix trie: its
     segments stand in for the samples, and the costliest micro-batch is at least one sample alone.
+    Otherwise each sample counts at the tokens it occupies alone (``fp``: padding to its multiple,
+    its padded width) and its vision work, which every plan of the config must run.
     """
     cost = cfg.cost
     assert cost is not None
@@ -97,7 +105,9 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int) 
         single = float(cost.sample_costs(lens).max())  # a sample alone
         return best_lower_bound(seg_cost, seg.astype(np.int64), k_lb, bins_per_k=cfg.dp_size,
                                 gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
-    return best_lower_bound(cost.sample_costs(lens), lens, k_lb, bins_per_k=cfg.dp_size,
+    fp = footprint_of(batch, cfg) if fp is None else fp
+    lens = fp.sample_tokens[idx]
+    return best_lower_bound(fp.sample_costs(cost, idx), lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
 
@@ -116,18 +126,19 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
     cost = cfg.cost
     assert cost is not None
     lens = batch.seq_lens
+    fp = footprint_of(batch, cfg)
     per_step: list[StepStats] = []
     rank_total = np.zeros(cfg.dp_size)
     max_tokens = 0
     for step in steps:
-        grid = step_cost_grid(batch, cfg, step)
+        grid = step_cost_grid(batch, cfg, step, fp)
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
-        unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes and n else tokens
+        unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes and n else int(fp.sample_tokens[idx].sum())
         held = sum(m.num_tokens for row in step.micros for m in row if not m.is_placeholder and m.cp_rank == 0)
-        k_lb = k_lower_bound(cfg, n, unique)
-        lb = step_lower_bound(batch, cfg, idx, k_lb)
+        k_lb = k_lower_bound(cfg, n, unique, fp.vision(idx))
+        lb = step_lower_bound(batch, cfg, idx, k_lb, fp)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         lock_s, sync_s = float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())

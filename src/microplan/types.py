@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # pragma: no cover
+    from .footprint import Footprint
     from .prefix import PrefixTree
 
 __all__ = ["Micro", "Step", "StepStats", "PlanStats", "KChoice"]
@@ -38,6 +39,8 @@ class Micro:
         cp_rank: this rank's position in its CP group (0 .. cp_size-1; 0 without dynamic CP).
         cp_group: the plan ranks that share this micro-batch under dynamic CP, in CP-rank order;
             ``(rank,)`` otherwise.
+        footprint: the plan's :class:`~microplan.footprint.Footprint` (layout and padding rules
+            over the batch), or None for a plain varlen row (the footprint is Σ seq_lens).
         tree: with ``PlanConfig(share_prefixes=True)``, the prefix trie of the samples (each
             shared token once; see :class:`microplan.prefix.PrefixTree`); None otherwise.
     """
@@ -49,6 +52,7 @@ class Micro:
     cp_size: int = 1
     cp_rank: int = 0
     cp_group: tuple[int, ...] = field(default=())
+    footprint: Footprint | None = field(default=None, repr=False)
     tree: PrefixTree | None = None
 
     def __post_init__(self) -> None:
@@ -61,11 +65,12 @@ class Micro:
     @classmethod
     def _trusted(cls, indices: np.ndarray, seq_lens: np.ndarray, loss_tokens: np.ndarray,
                  loss_scale: np.ndarray, cp_size: int, cp_rank: int, cp_group: tuple[int, ...],
-                 tree: PrefixTree | None = None) -> Micro:
+                 tree: PrefixTree | None = None, footprint: Footprint | None = None) -> Micro:
         """Internal fast path: arrays are already read-only int64/float64 views; no copies."""
         self = object.__new__(cls)
         self.__dict__.update(indices=indices, seq_lens=seq_lens, loss_tokens=loss_tokens, loss_scale=loss_scale,
-                             cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group, tree=tree)  # frozen: bypass __setattr__
+                             cp_size=cp_size, cp_rank=cp_rank, cp_group=cp_group,
+                             footprint=footprint, tree=tree)  # frozen: bypass __setattr__
         return self
 
     @property
@@ -75,9 +80,26 @@ class Micro:
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the GPU(s) hold for this micro-batch (all CP ranks together): Σ seq_lens, or the
-        unique tokens of its prefix trie when prefixes are shared."""
-        return self.tree.num_tokens if self.tree is not None else int(self.seq_lens.sum())
+        """Tokens the GPU(s) hold for this micro-batch: its samples as the plan's layout places them,
+        padding included (pad-to-multiple, the row multiple, the ``[n, W]`` padding of padded
+        layouts), all CP ranks together — per GPU it is ⌈num_tokens / cp_size⌉. This is what the
+        cap counts. 0 for a placeholder (which packs to one dummy row). With shared prefixes: the
+        unique tokens of its prefix trie. Without a footprint: Σ seq_lens (a plain varlen row)."""
+        if self.tree is not None:
+            return self.tree.num_tokens
+        if self.footprint is None or not self.indices.size:
+            return int(self.seq_lens.sum())
+        return self.footprint.tokens(self.indices)
+
+    @property
+    def real_tokens(self) -> int:
+        """The samples' own tokens, Σ seq_lens (num_tokens − real_tokens is padding)."""
+        return int(self.seq_lens.sum())
+
+    @property
+    def vision_tokens(self) -> int:
+        """Vision-encoder patches of the micro-batch (0 without ``Batch.vision_tokens``)."""
+        return 0 if self.footprint is None else self.footprint.vision(self.indices)
 
     @property
     def num_samples(self) -> int:
@@ -95,7 +117,7 @@ class Micro:
                 and np.array_equal(self.loss_tokens, other.loss_tokens)
                 and np.array_equal(self.loss_scale, other.loss_scale)
                 and (self.cp_size, self.cp_rank, self.cp_group) == (other.cp_size, other.cp_rank, other.cp_group)
-                and self.tree == other.tree)
+                and _same_rules(self.footprint, other.footprint) and self.tree == other.tree)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -109,6 +131,12 @@ class Micro:
     def to_dict(self) -> dict[str, Any]:
         return {"indices": self.indices.tolist(), "loss_scale": self.loss_scale.tolist(),
                 "cp_size": self.cp_size, "cp_rank": self.cp_rank, "cp_group": list(self.cp_group)}
+
+
+def _same_rules(a: Footprint | None, b: Footprint | None) -> bool:
+    if a is None:
+        return b is None or b.same_rules(None)
+    return a.same_rules(b)
 
 
 @dataclass(frozen=True)
@@ -213,10 +241,13 @@ class PlanStats:
     """Summary figures of a plan (binding names: see DESIGN.md).
 
     Attributes:
-        max_micro_tokens: most tokens one GPU holds in any micro-batch (per CP rank).
+        max_micro_tokens: most tokens one GPU holds in any micro-batch (per CP rank), padding
+            included: ⌈Micro.num_tokens / cp_size⌉ under the plan's layout (docs/layouts.md).
         cap: ``max_tokens_per_micro`` (None for static batching).
         micro_count / micro_count_lower_bound: Σ over steps of K, and of its lower bound
-            ceil(tokens / (dp · cap)) (static: ceil(samples / (dp · micro_batch_size))).
+            ceil(tokens / (dp · cap)), tokens as the samples occupy them alone (padding to the
+            multiples, padded widths) and the cap less the row multiple (static:
+            ceil(samples / (dp · micro_batch_size))).
         predicted_time: Σ over steps of the step time under the config's ``sync`` mode.
         lockstep_time: Σ_steps Σ_m max_r cost(r, m)  (every micro-batch a sync point).
         step_sync_time: Σ_steps max_r Σ_m cost(r, m)  (ranks meet once per step).

@@ -2,7 +2,9 @@
 
 Checks, in order (the first violation raises PlanError naming step, rank and micro-batch):
 shape (dp_size rows, equal K per rank, K a multiple of align), micro-batch contents (arrays
-aligned and matching the batch, placeholders empty), the token cap / micro_batch_size, CP
+aligned and matching the batch, placeholders empty), the token cap counting padding (the
+footprint of the config's layout, re-derived here, not read from the Micro) and the vision cap /
+micro_batch_size, CP
 groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
 exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
 groups, and the loss scales (recomputed from the loss contract; all 0 in a forward plan), and
@@ -18,10 +20,11 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
+from .footprint import Footprint, footprint_of, micro_footprint
 from .prefix import micro_tree
 from .stages.share import forest_of
 from .stages.weigh import loss_coefficients, loss_scales
-from .types import Micro, Step
+from .types import Micro, Step, _same_rules
 
 __all__ = ["validate_plan"]
 
@@ -30,7 +33,7 @@ def _fail(msg: str) -> None:
     raise PlanError(f"invalid plan: {msg}")
 
 
-def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro) -> None:
+def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro, fp: Footprint) -> None:
     where = f"step {s}, rank {r}, micro {m}"
     k = micro.indices.size
     if not (micro.seq_lens.size == micro.loss_tokens.size == micro.loss_scale.size == k):
@@ -57,10 +60,18 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
     elif micro.cp_size != cfg.static_cp_size or micro.cp_rank != 0 or micro.cp_group != (r,):
         _fail(f"{where}: CP fields (size {micro.cp_size}, rank {micro.cp_rank}, group {micro.cp_group}) do not "
               f"match the config (size {cfg.static_cp_size})")
+    if not _same_rules(micro.footprint, micro_footprint(fp)):
+        _fail(f"{where}: the micro-batch's layout/padding rules differ from the config's ({fp.padding})")
     if cfg.max_tokens_per_micro is not None:
-        if micro.num_tokens > micro.cp_size * cfg.max_tokens_per_micro:
-            _fail(f"{where}: {micro.num_tokens} tokens over cp_size {micro.cp_size} exceed the per-GPU cap "
+        # what the GPU holds: the (validated) prefix trie, or the footprint re-derived from the batch
+        held = 0 if not k else micro.tree.num_tokens if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[union-attr]
+        if held > micro.cp_size * cfg.max_tokens_per_micro:
+            pad = "" if held == int(micro.seq_lens.sum()) else f" (padding included, layout={cfg.layout!r})"
+            _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size} exceed the per-GPU cap "
                   f"max_tokens_per_micro={cfg.max_tokens_per_micro}")
+        vcap = cfg.max_vision_tokens_per_micro
+        if vcap is not None and k and fp.vision(micro.indices) > vcap:
+            _fail(f"{where}: {fp.vision(micro.indices)} vision tokens exceed max_vision_tokens_per_micro={vcap}")
     elif k > cfg.micro_batch_size:  # type: ignore[operator]
         _fail(f"{where}: {k} samples exceed micro_batch_size={cfg.micro_batch_size}")
 
@@ -82,6 +93,10 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
     """Raise PlanError naming the first violated invariant of the plan given by its parts
     (``forward``: a forward plan, whose loss scales are all exactly 0)."""
     owner = np.full(b.num_samples, -1, dtype=np.int64)  # step of each sample
+    try:
+        fp = footprint_of(b, cfg)
+    except PlanError as exc:
+        raise PlanError(f"invalid plan: {exc}") from None
     for s, step in enumerate(steps):
         if step.index != s:
             _fail(f"step {s} carries index {step.index}")
@@ -97,7 +112,7 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             _fail(f"step {s}: {K} micro-batches per rank is fewer than pipeline_stages={cfg.pipeline_stages}")
         for r, row in enumerate(step.micros):
             for m, micro in enumerate(row):
-                _check_micro(b, cfg, s, r, m, micro)
+                _check_micro(b, cfg, s, r, m, micro, fp)
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
             _check_cp_groups(step, s)
         seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]

@@ -46,7 +46,7 @@ from ..errors import PlanError
 from .hf import forward_flops
 from .presets import DEFAULT_ATTENTION, DEFAULT_PER_MICRO_TOKENS, attention_kernel
 
-__all__ = ["CostModel", "TokenCost", "FlopsCost", "cost_from_dict", "micro_features", "bin_costs",
+__all__ = ["CostModel", "TokenCost", "FlopsCost", "cost_from_dict", "micro_features", "bin_costs", "row_costs",
            "FEATURES", "is_additive"]
 
 #: The features every built-in model is linear in, in coefficient order.
@@ -121,6 +121,18 @@ def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray, counts:
     row = float(getattr(cost, "linear", 0.0)) * T + packed + float(cost.per_micro) \
         if hasattr(cost, "linear") else out + packed
     return np.where(multi, row, out)
+
+
+def row_costs(cost: CostModel, w: np.ndarray, k: np.ndarray | int) -> np.ndarray:
+    """Cost of one padded row of width W in a micro-batch of k rows: each row is its own sequence.
+    A dense masked kernel (``packed_quadratic > 0``) computes all W² pairs of a row that carries a
+    padding mask (k >= 2), a lone row runs its plain causal path (the sample cost)."""
+    base = cost.sample_costs(w)
+    pq = float(getattr(cost, "packed_quadratic", 0.0))
+    if pq <= 0:
+        return base
+    masked = float(getattr(cost, "linear", 0.0)) * w + pq * w * w
+    return np.where(np.asarray(k) >= 2, masked, base)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,24 +25,32 @@ __all__ = ["first_fit_decreasing", "exact_pack", "EXACT_MAX_SAMPLES"]
 EXACT_MAX_SAMPLES = 24
 
 
-def first_fit_decreasing(lens: np.ndarray, m: int, cap: int) -> np.ndarray | None:
-    """Bin of each sample in exactly ``m`` non-empty bins under ``cap``, or None."""
+def first_fit_decreasing(lens: np.ndarray, m: int, cap: int,
+                         extra: tuple[np.ndarray, int] | None = None) -> np.ndarray | None:
+    """Bin of each sample in exactly ``m`` non-empty bins under ``cap`` (and the ``extra``
+    resource under its cap), or None."""
     n = lens.size
     if n < m:
         return None
     order = np.argsort(-lens, kind="stable")
     load = np.zeros(m, dtype=np.int64)
+    xload = np.zeros(m, dtype=np.int64)
     count = np.zeros(m, dtype=np.int64)
     bin_of = np.empty(n, dtype=np.int64)
     for i in order.tolist():
-        room = np.flatnonzero(load + lens[i] <= cap)
+        ok = load + lens[i] <= cap
+        if extra is not None:
+            ok &= xload + extra[0][i] <= extra[1]
+        room = np.flatnonzero(ok)
         if not room.size:
             return None
         b = int(room[0])
         bin_of[i] = b
         load[b] += lens[i]
+        if extra is not None:
+            xload[b] += extra[0][i]
         count[b] += 1
-    for b in np.flatnonzero(count == 0).tolist():  # give each empty bin one sample
+    for b in np.flatnonzero(count == 0).tolist():  # give each empty bin one sample (a lone sample fits)
         donors = np.flatnonzero(count >= 2)
         if not donors.size:
             return None

@@ -14,6 +14,11 @@ real ones as there are samples), ``drop`` drops the fewest whole trailing rollou
 placeholder is needed (the slime fix; raises when no prefix of at least dp·align samples
 works), ``error`` raises. Every refusal is a PlanError naming the step, the counts and the
 settings to change. Cost: one packing per K tried (usually one).
+
+Layouts (``footprint.py``): the planner passes the samples' occupied lengths (pad-to-multiple
+included) and the cap is :func:`~microplan.footprint.packing_cap` (the row multiple taken off);
+a :class:`~microplan.stages.layout.StepLayout` adds a vision cap every packer keeps (``extra``),
+or hands a padded layout to ``stages/padded.py``, whose K choice is recorded the same way.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ import numpy as np
 from ..config import PlanConfig
 from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
+from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange
 from .kchoice import MAX_EVALS, KChoice, packed_slope, step_time, time_lower_bounds
+from .layout import StepLayout
 from .lockstep import refine_lockstep
-from .pack import bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
+from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
+from .padded import pack_padded
 from .refine import refine_bins
 
 __all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "min_micro_count"]
@@ -69,14 +77,19 @@ def min_micro_count(x, cfg: PlanConfig):
 
 
 def effective_cap(cfg: PlanConfig) -> int | None:
-    """Tokens one micro-batch may hold: cap × static CP degree (None for static batching)."""
-    if cfg.max_tokens_per_micro is None:
-        return None
-    return cfg.max_tokens_per_micro * cfg.static_cp_size
+    """Tokens one micro-batch may hold: cap × static CP degree, less the row multiple's padding
+    (``footprint.packing_cap``; None for static batching)."""
+    return packing_cap(cfg)
 
 
-def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> _Packing:
+def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> _Packing:
     """The packing with the K of lowest predicted time; num_bins < dp·K means placeholders."""
+    if layout is not None and layout.padded is not None:
+        return _Packing(*pack_padded(layout.padded, dp=cfg.dp_size, align=cfg.align, cap=effective_cap(cfg),
+                                     micro_batch_size=cfg.micro_batch_size,
+                                     vision_cap=cfg.max_vision_tokens_per_micro, cost=cfg.cost,  # type: ignore[arg-type]
+                                     sync=cfg.sync))
+    extra = None if layout is None else layout.extra
     D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
         K = int(min_micro_count(_cdiv(_cdiv(n, cfg.micro_batch_size), D), cfg))
@@ -84,11 +97,11 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> _Packing:
         return _Packing(round_robin_pack(costs, m), m, K, None)
     cap = effective_cap(cfg)
     assert cap is not None and cfg.cost is not None
-    K0 = int(min_micro_count(_cdiv(bins_lower_bound(lens, cap), D), cfg))
+    K0 = int(min_micro_count(_cdiv(bins_lower_bound(lens, cap, extra), D), cfg))
     k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
     if is_additive(cfg.cost) or k_hi <= K0:
-        return _grow(lens, costs, cfg, K0, K0, [])
-    return _search(lens, costs, cfg, K0, k_hi)
+        return _grow(lens, costs, cfg, K0, K0, [], extra)
+    return _search(lens, costs, cfg, K0, k_hi, extra)
 
 
 def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> float:
@@ -97,12 +110,12 @@ def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarra
 
 
 def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
-          tried: list[tuple[int, float]]) -> _Packing:
+          tried: list[tuple[int, float]], extra: Extra | None = None) -> _Packing:
     """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
     D, n = cfg.dp_size, lens.size
     while True:
         m = min(n, D * K)
-        bin_of = _pack_at(lens, costs, m, D, K, cfg)
+        bin_of = _pack_at(lens, costs, m, D, K, cfg, extra)
         if bin_of is not None:
             break
         tried.append((K, float("inf")))
@@ -117,7 +130,7 @@ def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
     nxt = K + cfg.align
     if D * nxt <= n and t > _bound(lens, costs, cfg, K) * (1 + _SLACK):
         # a cap-tight K leaves no room to balance; one more micro-batch per rank may be faster
-        alt = _pack_at(lens, costs, D * nxt, D, nxt, cfg)
+        alt = _pack_at(lens, costs, D * nxt, D, nxt, cfg, extra)
         t2 = float("inf") if alt is None else _time(alt, D * nxt, nxt, lens, costs, cfg)
         tried.append((nxt, t2))
         if t2 < t * (1 - 1e-9):
@@ -137,7 +150,8 @@ def _bound(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int) -> floa
                                    lockstep=cfg.sync == "micro")[0])
 
 
-def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int) -> _Packing:
+def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int,
+            extra: Extra | None = None) -> _Packing:
     """Search K around argmin LB(K) and K_lb by the packed plans' predicted times (packed-row costs).
 
     A pattern search over aligned K: from the better of K_lb and argmin LB(K), try ±step, double the
@@ -152,7 +166,7 @@ def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi:
     order: list[int] = []
 
     def evaluate(K: int) -> float:
-        bin_of = _pack_at(lens, costs, D * K, D, K, cfg)
+        bin_of = _pack_at(lens, costs, D * K, D, K, cfg, extra)
         t = float("inf") if bin_of is None else _time(bin_of, D * K, K, lens, costs, cfg)
         done[K] = (t, bin_of)
         order.append(K)
@@ -172,7 +186,7 @@ def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi:
         step = 2 * step if moved else (step // 2) // a * a
     best_t = done[best][0]
     if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
-        return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order])
+        return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order], extra)
     K = min(k for k in done if done[k][0] == best_t)
     cands = tuple((k, done[k][0]) for k in order)
     listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
@@ -200,7 +214,8 @@ def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
     return out
 
 
-def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: PlanConfig) -> np.ndarray | None:
+def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: PlanConfig,
+             extra: Extra | None = None) -> np.ndarray | None:
     """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
 
     With a packed-row term the samples are balanced on their first-order cost at the mean row
@@ -212,14 +227,14 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     bal = costs
     if not is_additive(cost) and m:
         bal = costs + packed_slope(cost, float(lens.sum()) / m) * lens
-    bin_of = _pack_slots(lens, bal, m, D, K, cap)
+    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra)
     n = lens.size
     if bin_of is None and n <= FFD_MAX_SAMPLES:
-        bin_of = first_fit_decreasing(lens, m, cap)
-        if bin_of is None and n <= EXACT_MAX_SAMPLES:
+        bin_of = first_fit_decreasing(lens, m, cap, extra)
+        if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
             bin_of = exact_pack(lens, m, cap)
         if bin_of is not None:
-            bin_of = refine_bins(bin_of, lens, bal, m, cap)
+            bin_of = refine_bins(bin_of, lens, bal, m, cap, extra=extra)
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     nb = D * K
@@ -228,22 +243,23 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     width = cfg.static_cp_size
     if width > 1:
         mc = (mc - cost.per_micro) / width + cost.per_micro
-    return refine_lockstep(bin_of, arrange(mc, D, K), lens, costs, cost, cap)
+    return refine_lockstep(bin_of, arrange(mc, D, K), lens, costs, cost, cap, extra=extra)
 
 
-def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int) -> np.ndarray | None:
+def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
+                extra: Extra | None = None) -> np.ndarray | None:
     """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
     bin_of = None
     if m == D * K and K > 1:
         offset = np.repeat(slot_targets(costs, D, K), D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
-        bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load)
+        bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load, extra=extra)
         if bin_of is not None and np.bincount(bin_of, minlength=m).min() == 0:
             bin_of = None
         if bin_of is not None:
-            return refine_bins(bin_of, lens, costs, m, cap, offset=offset)
-    bin_of = lpt_pack(lens, costs, m, cap)
-    return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap)
+            return refine_bins(bin_of, lens, costs, m, cap, offset=offset, extra=extra)
+    bin_of = lpt_pack(lens, costs, m, cap, extra)
+    return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap, extra=extra)
 
 
 def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
@@ -259,23 +275,24 @@ def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> N
 
 
 def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray,
-             rollouts: np.ndarray, cfg: PlanConfig) -> StepFit:
-    """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes)."""
+             rollouts: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> StepFit:
+    """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes;
+    ``layout``: the step's view of a non-plain footprint, see ``stages/layout.py``)."""
     _check_cap(lens, samples, cfg)
-    bin_of, m, K, choice = _pack(lens, costs, cfg)
+    bin_of, m, K, choice = _pack(lens, costs, cfg, layout)
     all_pos = np.arange(lens.size, dtype=np.int64)
     none = np.zeros(0, dtype=np.int64)
     if m == cfg.dp_size * K or cfg.short_step == "pad":
         return StepFit(bin_of, all_pos, none, m, K, choice)
     if cfg.short_step == "drop":
-        return _drop_trailing(step, lens, costs, rollouts, cfg)
+        return _drop_trailing(step, lens, costs, rollouts, cfg, layout)
     raise PlanError(_short_message(step, lens.size, K, cfg)
                     + " Set short_step='pad' (placeholder micro-batches) or 'drop' (drop trailing rollouts), "
                     "or change the step size (Steps), max_tokens_per_micro or align.")
 
 
 def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.ndarray,
-                   cfg: PlanConfig) -> StepFit:
+                   cfg: PlanConfig, layout: StepLayout | None = None) -> StepFit:
     """Keep the longest prefix of whole rollouts that needs no placeholder."""
     D, a = cfg.dp_size, cfg.align
     codes, inverse = np.unique(rollouts, return_inverse=True)  # codes ascend in first-appearance order
@@ -298,7 +315,7 @@ def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.
         if D * int(K_lb[keep - 1]) > n_keep:
             continue
         pos = np.flatnonzero(inverse < keep).astype(np.int64)
-        bin_of, m, K, choice = _pack(lens[pos], costs[pos], cfg)
+        bin_of, m, K, choice = _pack(lens[pos], costs[pos], cfg, None if layout is None else layout.take(pos))
         if m == D * K:
             return StepFit(bin_of, pos, np.flatnonzero(inverse >= keep).astype(np.int64), m, K, choice)
     raise PlanError(_short_message(step, lens.size, None, cfg)

@@ -7,7 +7,8 @@ above its slot's second heaviest and applies the best single move (a sample of t
 to any other micro-batch) or swap (with a lighter sample of any other micro-batch) that lowers
 the sum of slot maxima — a receiver in another slot may rise up to its own slot's maximum for
 free. Costs are exact for non-additive models (the packed-row term is re-evaluated at the new
-totals). Moves keep every micro-batch within the token cap and non-empty.
+totals). Moves keep every micro-batch within the token cap (and a second capped resource,
+``extra``: vision tokens) and non-empty.
 
 Guarantees: Σ_m max cost never increases; the cap holds; no micro-batch empties; deterministic.
 Cost: O(iterations · (bins + n)) numpy per iteration (the heaviest micro-batch's samples against
@@ -31,7 +32,7 @@ _PATIENCE = 12    # changes without a strict gain (plateau moves) before giving 
 
 def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray,
                     cost: CostModel, cap: int, *, max_iters: int | None = None,
-                    rel_tol: float = 1e-5) -> np.ndarray:
+                    rel_tol: float = 1e-5, extra: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """An improved copy of ``bin_of`` for the slot layout ``grid[r, m]`` (bins keep their slot)."""
     D, K = grid.shape
     nb = D * K
@@ -44,6 +45,7 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
     A = np.bincount(bin_of, weights=costs, minlength=nb)
     T = np.bincount(bin_of, weights=lens, minlength=nb)
     cnt = np.bincount(bin_of, minlength=nb)
+    X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
     real = cnt > 0
     c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
     C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
@@ -76,7 +78,7 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             stuck.add(m)
             continue
         got = _best_change(a, m, bin_of, A, T, C, cnt, slot_of, by_slot, order, lens_f, costs, cost, cap, grid,
-                           tol=rel_tol * float(top[m]))
+                           tol=rel_tol * float(top[m]), extra=None if extra is None else (extra[0], X, extra[1]))
         if got is None:
             stuck.add(m)
             continue
@@ -90,6 +92,9 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             T[dst] += lens_f[smp]
             cnt[src] -= 1
             cnt[dst] += 1
+            if X is not None:
+                X[src] -= extra[0][smp]  # type: ignore[index]
+                X[dst] += extra[0][smp]  # type: ignore[index]
         for x in (a, b):
             C[x] = c_of(A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
     return bin_of
@@ -119,8 +124,11 @@ def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, t
 
 def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray,
                  slot_of: np.ndarray, by_slot: np.ndarray, order: np.ndarray, lens: np.ndarray, costs: np.ndarray,
-                 cost: CostModel, cap: int, grid: np.ndarray, *, tol: float) -> tuple[int, int, int] | None:
-    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap."""
+                 cost: CostModel, cap: int, grid: np.ndarray, *, tol: float,
+                 extra: tuple[np.ndarray, np.ndarray, int] | None = None) -> tuple[int, int, int] | None:
+    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap.
+
+    ``extra``: (per-sample amount, per-bin totals, cap) of a second resource every change keeps."""
     members = np.flatnonzero(bin_of == a)
     top = by_slot[m, order[m, 0]]
     slot_max = by_slot.max(axis=1)
@@ -148,6 +156,8 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
         new_a = np.broadcast_to(bin_costs(cost, A[a] - ci, T[a] - li, cnt[a] - 1)[:, None], (ci.size, recv.size))
         new_b = bin_costs(cost, A[recv][None] + ci[:, None], T[recv][None] + li[:, None], cnt[recv][None] + 1)
         fits = T[recv][None] + li[:, None] <= cap
+        if extra is not None:
+            fits = fits & (extra[1][recv][None] + extra[0][members][:, None] <= extra[2])
         other_max = slot_max[slot_of[recv]][None]
         d_same = np.maximum(np.maximum(new_a, new_b), rest_m[None]) - top
         d_other = (np.maximum(new_a, rest_m[None]) - top) + (np.maximum(other_max, new_b) - other_max)
@@ -166,6 +176,9 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
         new_a = bin_costs(cost, A[a] - ci[:, None] + cj[None], T[a] - li[:, None] + lj[None], cnt[a])
         new_b = bin_costs(cost, (A[ob] - cj)[None] + ci[:, None], (T[ob] - lj)[None] + li[:, None], cnt[ob][None])
         fits = (T[a] - li[:, None] + lj[None] <= cap) & ((T[ob] - lj)[None] + li[:, None] <= cap)
+        if extra is not None:
+            xi, xj, Xt, xc = extra[0][members], extra[0][others], extra[1], extra[2]
+            fits &= (Xt[a] - xi[:, None] + xj[None] <= xc) & ((Xt[ob] - xj)[None] + xi[:, None] <= xc)
         rm = rest_m[pos][None]
         om = slot_max[slot_of[ob]][None]
         d_same = np.maximum(np.maximum(new_a, new_b), rm) - top

@@ -6,7 +6,8 @@ vectorised in *safe chunks*: with bin loads sorted ascending and the next sample
 descending, the first c samples can go to the c least-loaded bins at once as long as the c-th
 bin's load is at most the lightest load plus the c-th sample — exactly what one-at-a-time
 LPT would do up to ties. A sample whose paired bin lacks room falls back to a masked argmin over
-the bins that fit. Guarantees: every bin non-empty when n >= m; no bin over ``cap`` tokens
+the bins that fit. An optional second resource (``extra``: vision tokens with their own cap)
+is checked the same way. Guarantees: every bin non-empty when n >= m; no bin over ``cap`` tokens
 (returns None instead); deterministic (stable sorts, ties by bin and sample index).
 Cost: O(n log n + rounds · m log m); a 16k-sample step packs in a few ms.
 """
@@ -18,16 +19,22 @@ import numpy as np
 __all__ = ["lpt_pack", "lpt_pack_wide", "round_robin_pack", "bins_lower_bound"]
 
 
-def bins_lower_bound(seq_lens: np.ndarray, cap: int) -> int:
-    """A lower bound on the bins any packing under ``cap`` needs: max(⌈Σ L / cap⌉, #{L > cap/2}, 1)."""
+Extra = tuple[np.ndarray, int]  # a second additive resource per sample and its cap per bin
+
+
+def bins_lower_bound(seq_lens: np.ndarray, cap: int, extra: Extra | None = None) -> int:
+    """A lower bound on the bins any packing under ``cap`` needs: max(⌈Σ L / cap⌉, #{L > cap/2}, 1),
+    and the same for the ``extra`` resource under its cap."""
     if seq_lens.size == 0:
         return 0
-    by_tokens = -(-int(seq_lens.sum()) // cap)
-    big = int(np.count_nonzero(2 * seq_lens > cap))
-    return max(by_tokens, big, 1)
+    out = 1
+    for x, c in ((seq_lens, cap),) + ((extra,) if extra is not None else ()):
+        out = max(out, -(-int(x.sum()) // c), int(np.count_nonzero(2 * x > c)))
+    return out
 
 
-def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None) -> np.ndarray | None:
+def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None,
+             extra: Extra | None = None) -> np.ndarray | None:
     """Bin id (0..num_bins-1) of each sample, or None when some sample fits in no bin.
 
     Requires ``1 <= num_bins <= len(seq_lens)`` and every length <= cap; then every bin ends up
@@ -35,23 +42,27 @@ def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | 
     batching, use :func:`round_robin_pack`).
     """
     width = np.ones(num_bins, dtype=np.int64)
-    return lpt_pack_wide(seq_lens, costs, width, cap)
+    return lpt_pack_wide(seq_lens, costs, width, cap, extra=extra)
 
 
 def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, cap: int | None, *,
-                  load: np.ndarray | None = None, tokens: np.ndarray | None = None) -> np.ndarray | None:
+                  load: np.ndarray | None = None, tokens: np.ndarray | None = None,
+                  extra: Extra | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
     already placed on a context-parallel group); they are updated in place. Empty bins are
     filled first, so every bin with zero starting tokens ends non-empty when there are at least
-    as many samples as such bins. Returns the bin of each sample, or None if one fits nowhere.
+    as many samples as such bins. ``extra``: a second resource per sample with a per-bin cap
+    (not scaled by width). Returns the bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
     order = np.argsort(-costs, kind="stable")
     load_c = np.zeros(B, dtype=np.float64) if load is None else load
     load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
     room_t = None if cap is None else width * cap
+    ex, ex_cap = extra if extra is not None else (None, 0)
+    load_x = np.zeros(B, dtype=np.int64)
     inv_w = 1.0 / width
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
@@ -63,18 +74,26 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
         c = chunk.size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
         chunk, bins = chunk[:c], srt[:c]
         fits = np.ones(c, dtype=bool) if room_t is None else load_t[bins] + seq_lens[chunk] <= room_t[bins]
+        if ex is not None:
+            fits &= load_x[bins] + ex[chunk] <= ex_cap
         good, gbins = chunk[fits], bins[fits]
         bin_of[good] = gbins
         load_c[gbins] += costs[good] * inv_w[gbins]
         load_t[gbins] += seq_lens[good]
+        if ex is not None:
+            load_x[gbins] += ex[good]
         for s in chunk[~fits]:
-            room = load_t + seq_lens[s] <= room_t  # type: ignore[operator]
+            room = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] <= room_t
+            if ex is not None:
+                room &= load_x + ex[s] <= ex_cap
             if not room.any():
                 return None
             b = int(np.argmin(np.where(room, load_c, np.inf)))
             bin_of[s] = b
             load_c[b] += costs[s] * inv_w[b]
             load_t[b] += seq_lens[s]
+            if ex is not None:
+                load_x[b] += ex[s]
         pos += c
     return bin_of
 

@@ -20,18 +20,27 @@ _PATIENCE = 32  # iterations without the heaviest bin dropping by rel_tol before
 
 
 def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarray, gap: float,
-                   room_h: int, room_l: int, can_move: bool) -> tuple[int, int, float] | None:
-    """Best (i, j or -1, delta) moving cost delta from h to l; delta in (0, gap)."""
+                   room_h: int, room_l: int, can_move: bool,
+                   xroom: tuple[np.ndarray, np.ndarray, int, int] | None = None) -> tuple[int, int, float] | None:
+    """Best (i, j or -1, delta) moving cost delta from h to l; delta in (0, gap).
+
+    ``xroom``: (extra of h's samples, extra of l's samples, room of h, room of l) for a second
+    capped resource."""
     best: tuple[int, int, float] | None = None
     half = gap / 2
     if can_move:
         ok = (ci < gap) & (li <= room_l)
+        if xroom is not None:
+            ok &= xroom[0] <= xroom[3]
         if ok.any():
             k = int(np.argmin(np.where(ok, np.abs(ci - half), np.inf)))
             best = (k, -1, float(ci[k]))
     d = ci[:, None] - cj[None, :]
     dl = li[:, None] - lj[None, :]
     ok = (d > 0) & (d < gap) & (dl <= room_l) & (-dl <= room_h)
+    if xroom is not None:
+        dx = xroom[0][:, None] - xroom[1][None, :]
+        ok &= (dx <= xroom[3]) & (-dx <= xroom[2])
     if ok.any():
         score = np.where(ok, np.abs(d - half), np.inf)
         k = int(np.argmin(score))
@@ -43,7 +52,7 @@ def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarra
 
 def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None,
                 *, offset: np.ndarray | None = None, max_iters: int | None = None,
-                rel_tol: float = 1e-3) -> np.ndarray:
+                rel_tol: float = 1e-3, extra: tuple[np.ndarray, int] | None = None) -> np.ndarray:
     """Return an improved copy of ``bin_of`` (same bins, same cap, lower or equal max cost).
 
     ``offset`` (per bin) makes the search balance ``cost − offset`` instead, i.e. toward
@@ -51,6 +60,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     above the mean (above its target, with ``offset``), when the heaviest and lightest differ by
     at most that much, when no exchange helps, after 32 iterations in which the heaviest bin did
     not drop by that much, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
+    ``extra``: a second per-sample resource and its per-bin cap, kept like the token cap.
     """
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
@@ -66,6 +76,8 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     if offset is not None:
         load = load - offset
     tok = np.bincount(bin_of, weights=lens, minlength=num_bins).astype(np.int64)
+    ex, ex_cap = extra if extra is not None else (None, 0)
+    xtok = None if ex is None else np.bincount(bin_of, weights=ex, minlength=num_bins).astype(np.int64)
     big = np.iinfo(np.int64).max // 4 if cap is None else cap
     tol = rel_tol * float(costs.sum()) / num_bins
     ref = 0.0 if offset is not None else float(load.mean())  # moves never change the mean
@@ -81,8 +93,9 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
             break
         since += 1
         ih, il = np.array(mem(h)), np.array(mem(l))
+        xroom = None if ex is None else (ex[ih], ex[il], int(ex_cap - xtok[h]), int(ex_cap - xtok[l]))  # type: ignore[index]
         got = _best_exchange(costs[ih], lens[ih], costs[il], lens[il], gap,
-                             int(big - tok[h]), int(big - tok[l]), ih.size > 1)
+                             int(big - tok[h]), int(big - tok[l]), ih.size > 1, xroom)
         if got is None:
             break
         i, j, _ = got
@@ -94,6 +107,9 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
             load[dst] += costs[smp]
             tok[src] -= lens[smp]
             tok[dst] += lens[smp]
+            if xtok is not None:
+                xtok[src] -= ex[smp]  # type: ignore[index]
+                xtok[dst] += ex[smp]  # type: ignore[index]
     out = bin_of.copy()
     for b, smp in members.items():
         out[smp] = b

@@ -45,11 +45,12 @@ from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
 from .profile import ProfileDesign, attention_regime, profile_cost, profile_design
+from .padded import PaddedMicro
 from .restore import Restored, restore_order
 from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
 
 __all__ = [
-    "PackedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
+    "PackedMicro", "PaddedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
     # forward-only passes (old/reference log-probs): pack, run, restore in one call
     "run_forward", "forward_logprobs", "chunked_token_logprobs",

@@ -3,10 +3,11 @@
 Design note. Three tensor all-gathers, sizes first:
 
 1. a fixed header per rank ``[status, n, has_prompt_lens, prompt_kind, rollout_kind,
-   json_bytes, num_prompts, num_rollouts]`` (int64) — status carries a local failure (a bad
-   Batch, NaN lengths) so every rank fails together before any variable-size collective;
-2. the numeric columns (seq_lens, loss_tokens, [prompt_lens], [int ids]) as one int64 tensor
-   padded to the largest rank;
+   json_bytes, num_prompts, num_rollouts, has_vision]`` (int64) — status carries a local failure
+   (a bad Batch, NaN lengths) so every rank fails together before any variable-size collective;
+2. the numeric columns (seq_lens, loss_tokens, [prompt_lens], [int ids], [vision_tokens,
+   num_images]) as one int64 tensor padded to the largest rank (a text-only rank of a batch with
+   vision sends zero patches);
 3. only when some rank has string (or > int64) ids: their JSON, as uint8 padded bytes.
 
 Why tensors and not ``all_gather_object``: all_gather_object pickles every rank's object,
@@ -109,7 +110,7 @@ def local_view(local_batch: LocalBatchLike, *, group: Any = None, local_ids: boo
         enc = _Local(_as_batch(local_batch), local_ids)
     except Exception as exc:
         err = exc
-    header = enc.header() if enc is not None else [1, 0, 0, 0, 0, 0, 0, 0]
+    header = enc.header() if enc is not None else [1, 0, 0, 0, 0, 0, 0, 0, 0]
     heads = all_gather_rows(torch.tensor(header, dtype=torch.int64, device=dev), group).cpu().numpy()
     fail_together(heads[:, 0].tolist(), err, what="gather_batch (local batch)", group=group)
     assert enc is not None
@@ -163,7 +164,7 @@ class _Local:
     def header(self) -> list[int]:
         b = self.b
         return [0, b.num_samples, int(b.prompt_lens is not None), self.pkind, self.rkind, len(self.json_bytes),
-                b.num_prompts, b.num_rollouts]
+                b.num_prompts, b.num_rollouts, int(b.vision_tokens is not None)]
 
     def columns(self, lay: _Layout) -> np.ndarray:
         b, n = self.b, self.b.num_samples
@@ -177,6 +178,9 @@ class _Local:
                     cols.append(codes)
                 else:
                     cols.append(np.asarray(ids, np.int64) if kind == _INT else np.zeros(n, np.int64))
+        if lay.vision:
+            for a in (b.vision_tokens, b.num_images):
+                cols.append(a if a is not None else np.zeros(n, np.int64))
         return np.stack(cols, axis=1).reshape(-1).astype(np.int64) if n else np.zeros(0, np.int64)
 
 
@@ -187,6 +191,7 @@ class _Layout:
         n = heads[:, 1]
         busy = n > 0
         self.plens = bool(busy.any() and heads[busy, 2].all())  # kept only if every non-empty rank has it
+        self.vision = bool(busy.any() and heads[busy, 8].any())  # text-only ranks send zero patches
         self.local_ids = local_ids
         self.num_prompts = heads[:, 6]
         self.num_rollouts = heads[:, 7]
@@ -201,7 +206,7 @@ class _Layout:
             self.p_int = bool((heads[:, 3] == _INT).any())
             self.r_int = bool((heads[:, 4] == _INT).any())
             self.any_json = bool((heads[:, 5] > 0).any())
-        self.ncols = 2 + int(self.plens) + int(self.p_int) + int(self.r_int)
+        self.ncols = 2 + int(self.plens) + int(self.p_int) + int(self.r_int) + 2 * int(self.vision)
 
 
 def _check_same_presence(name: str, kinds: np.ndarray, ranks: np.ndarray) -> None:
@@ -220,8 +225,11 @@ def _assemble(lay: _Layout, tables: list[np.ndarray], blobs: list[bytes]) -> Bat
     plens = allc[:, 2] if lay.plens else None
     pids = _ids(lay, tables, blobs, 0, c) if lay.p_int or lay.any_json else None
     rids = _ids(lay, tables, blobs, 1, c + int(lay.p_int)) if lay.r_int or lay.any_json else None
+    v = c + int(lay.p_int) + int(lay.r_int)
+    vis, imgs = (allc[:, v], allc[:, v + 1]) if lay.vision else (None, None)
     try:
-        return Batch(allc[:, 0], loss_tokens=allc[:, 1], prompt_lens=plens, prompt_ids=pids, rollout_ids=rids)
+        return Batch(allc[:, 0], loss_tokens=allc[:, 1], prompt_lens=plens, prompt_ids=pids, rollout_ids=rids,
+                     vision_tokens=vis, num_images=imgs)
     except PlanError as exc:
         raise PlanError(f"the gathered global batch is invalid: {exc} (with global ids, ranks that reuse the "
                         "same ids share groups; pass local_ids=True if each rank numbers its own).") from None

@@ -9,6 +9,10 @@ with labels shifted left) use :func:`next_token_labels` / :func:`next_token_weig
 ``aligned="logit"`` to :func:`weighted_loss`: the logits at the last token of a sample would
 predict the next sample's first token, and get label ``ignore_index`` and weight 0.
 
+Every function takes a varlen :class:`PackedMicro` (tensors ``[T]``, or ``[1, T]``) or a
+:class:`~microplan.torch.padded.PaddedMicro` of a padded layout (tensors ``[n, W]``; a token is
+predicted only from the previous real token of its row), and returns tensors of that shape.
+
 The scalar to backward is ``Σ_t loss_weights[t] · ℓ[t]`` — a plain weighted SUM. Do not divide by
 token counts, micro counts or world sizes: the plan's ``loss_scale`` already folds in the loss
 mode's normaliser, the engine's 1/K (``engine_divides_by_micro_count``) and the gradient
@@ -23,23 +27,32 @@ import torch
 
 from ..errors import PlanError
 from .packing import PackedMicro
+from .padded import PaddedMicro
+
+Packed = PackedMicro | PaddedMicro
 
 __all__ = ["token_logprobs", "next_token_labels", "next_token_weights", "weighted_loss"]
 
 
-def _tokens_first(x: torch.Tensor, packed: PackedMicro, name: str, *, extra_dims: int) -> torch.Tensor:
-    """Accept ``[T, ...]`` or ``[1, T, ...]``; refuse anything whose token dimension is not T."""
-    T = packed.num_tokens
-    if x.dim() == extra_dims + 2 and x.shape[0] == 1:
+def _tokens_first(x: torch.Tensor, packed: Packed, name: str, *, extra_dims: int) -> torch.Tensor:
+    """Accept the micro-batch's token shape (``[T, ...]`` or ``[1, T, ...]``; padded: ``[n, W, ...]``)."""
+    if not isinstance(packed, (PackedMicro, PaddedMicro)):
+        raise PlanError(f"expected a PackedMicro or PaddedMicro (from pack_micro), got {type(packed).__name__}.")
+    shape = packed.token_shape
+    if len(shape) == 1 and x.dim() == extra_dims + 2 and x.shape[0] == 1:
         x = x[0]
-    if x.dim() != extra_dims + 1 or x.shape[0] != T:
-        want = "[T]" if extra_dims == 0 else "[T, V]"
-        raise PlanError(f"{name} has shape {tuple(x.shape)}; this micro-batch needs {want} (or a leading batch "
-                        f"dim of 1) with T={T}.")
+    if x.dim() != extra_dims + len(shape) or tuple(x.shape[:len(shape)]) != shape:
+        if len(shape) == 1:
+            want = "[T]" if extra_dims == 0 else "[T, V]"
+            raise PlanError(f"{name} has shape {tuple(x.shape)}; this micro-batch needs {want} (or a leading batch "
+                            f"dim of 1) with T={shape[0]}.")
+        want = "[n, W]" if extra_dims == 0 else "[n, W, V]"
+        raise PlanError(f"{name} has shape {tuple(x.shape)}; this padded micro-batch needs {want} with "
+                        f"n, W = {shape[0]}, {shape[1]}.")
     return x
 
 
-def token_logprobs(logits: torch.Tensor, packed: PackedMicro, *, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, packed: Packed, *, temperature: float = 1.0) -> torch.Tensor:
     """Label-aligned log-probs ``[T]``: entry t = log p(token t | the sample's tokens < t).
 
     ``logits`` is the packed model output ``[T, V]`` or ``[1, T, V]`` (position t predicts
@@ -51,40 +64,39 @@ def token_logprobs(logits: torch.Tensor, packed: PackedMicro, *, temperature: fl
     if temperature != 1.0:
         x = x / temperature
     ids = packed.input_ids.to(x.device)
-    prev = x[:-1]
-    lp = prev.gather(-1, ids[1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
-    lp = torch.cat([lp.new_zeros(1), lp])
-    start = packed.position_ids.to(x.device) == 0
-    return torch.where(start, torch.zeros_like(lp), lp)
+    prev = x[..., :-1, :]
+    lp = prev.gather(-1, ids[..., 1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
+    lp = torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
+    return torch.where(packed.predicted().to(x.device), lp, torch.zeros_like(lp))
 
 
-def _continues(packed: PackedMicro, device: torch.device) -> torch.Tensor:
-    """``[T]`` bool: position t+1 exists and belongs to the same sample as t."""
-    pos = packed.position_ids.to(device)
-    out = torch.zeros(pos.shape[0], dtype=torch.bool, device=device)
-    out[:-1] = pos[1:] != 0
+def _continues(packed: Packed, device: torch.device) -> torch.Tensor:
+    """Token-shaped bool: position t+1 exists and is predicted from t (same sample)."""
+    pred = packed.predicted().to(device)
+    out = torch.zeros_like(pred)
+    out[..., :-1] = pred[..., 1:]
     return out
 
 
-def next_token_labels(packed: PackedMicro, *, ignore_index: int = -100) -> torch.Tensor:
+def next_token_labels(packed: Packed, *, ignore_index: int = -100) -> torch.Tensor:
     """Logit-aligned labels ``[T]``: ``input_ids[t+1]`` where t+1 is in t's sample, else ``ignore_index``.
 
     Only loss tokens matter for the weighted loss; non-loss positions keep their real label (pair
     these labels with :func:`next_token_weights`, which is 0 there).
     """
     ids = packed.input_ids
-    nxt = torch.cat([ids[1:], ids.new_full((1,), ignore_index)])
+    nxt = torch.cat([ids[..., 1:], ids.new_full((*ids.shape[:-1], 1), ignore_index)], dim=-1)
     return torch.where(_continues(packed, ids.device), nxt, torch.full_like(nxt, ignore_index))
 
 
-def next_token_weights(packed: PackedMicro) -> torch.Tensor:
+def next_token_weights(packed: Packed) -> torch.Tensor:
     """Logit-aligned weights ``[T]``: ``loss_weights[t+1]`` within a sample, 0 at each sample's last token."""
     w = packed.loss_weights
-    nxt = torch.cat([w[1:], w.new_zeros(1)])
+    nxt = torch.cat([w[..., 1:], w.new_zeros((*w.shape[:-1], 1))], dim=-1)
     return torch.where(_continues(packed, w.device), nxt, torch.zeros_like(nxt))
 
 
-def weighted_loss(token_losses: torch.Tensor, packed: PackedMicro, *,
+def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
                   aligned: Literal["token", "logit"] = "token") -> torch.Tensor:
     """The scalar to backward for one micro-batch: ``Σ_t w[t] · token_losses[t]``.
 

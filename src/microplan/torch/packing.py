@@ -17,6 +17,19 @@ A placeholder micro-batch (``micro.is_placeholder``) packs to one dummy token (`
 with weight 0, ``cu_seqlens=[0, 1]`` and an empty ``sample_indices``: a valid model input with
 every field a real one has, so a rank runs forward/backward like its peers and contributes an
 exact zero (the slime seed #1860: empty micro-batches crashed ``torch.cat`` deep downstream).
+
+Padding (the plan's ``pad_to_multiple_of=m`` / ``pad_row_to_multiple_of=r``, docs/layouts.md).
+Each sample is padded INSIDE its own sequence, at its end, to ⌈L/m⌉·m tokens: ``cu_seqlens``
+holds the padded boundaries, so every sequence length is a multiple of m — what zigzag ring
+attention (2·cp chunks per sequence) and Transformer Engine's THD format expect — and the
+causal mask keeps every real token from seeing its own padding. The row's own padding, up to a
+multiple of r (sequence-parallel TP), is a separate trailing pseudo-sequence with its own
+``cu_seqlens`` entry, so no sample attends to it (flash-attn varlen accepts any extra sequence;
+with zigzag CP choose r a multiple of m so it splits evenly too). Pad tokens are
+``pad_token_id``, positions continue inside a sample and restart in the pseudo-sequence, and
+their weight is 0. ``sample_lens`` keeps the real lengths (``split``/``pack_values`` use them).
+A micro-batch of a padded layout (``layout="padded"``/``"padded-2d"``) packs to a
+:class:`~microplan.torch.padded.PaddedMicro` instead (``[n, W]`` tensors).
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import PlanError
+from ..footprint import round_up
 from ..types import Micro
 
 __all__ = ["PackedMicro", "pack_micro", "pack_values"]
@@ -51,6 +65,12 @@ class PackedMicro:
         seq_lens: host tuple of the packed sequence lengths (``(1,)`` for a placeholder).
         is_placeholder: True for the 1-token dummy of a placeholder micro-batch.
         cp_size: the micro-batch's context-parallel degree (the plan's ``Micro.cp_size``).
+        sample_lens: host tuple of the samples' real lengths (``()``: equal to ``seq_lens``, no
+            padding); sequence j holds ``sample_lens[j]`` real tokens then its padding.
+        row_pad: tokens of the trailing pad pseudo-sequence (0: none); when > 0 it is the last
+            entry of ``seq_lens``/``cu_seqlens`` and belongs to no sample.
+        pad_to_multiple_of / pad_row_to_multiple_of: the rules the padding follows (checked by
+            :meth:`validate`).
     """
 
     input_ids: torch.Tensor
@@ -63,16 +83,42 @@ class PackedMicro:
     seq_lens: tuple[int, ...]
     is_placeholder: bool = False
     cp_size: int = 1
+    sample_lens: tuple[int, ...] = ()
+    row_pad: int = 0
+    pad_to_multiple_of: int = 1
+    pad_row_to_multiple_of: int = 1
 
     @property
     def num_tokens(self) -> int:
-        """T, the packed length (1 for a placeholder)."""
+        """T, the packed length, padding included (1 for an unpadded placeholder)."""
         return int(sum(self.seq_lens))
 
     @property
     def num_samples(self) -> int:
         """Real samples packed (0 for a placeholder)."""
-        return 0 if self.is_placeholder else len(self.seq_lens)
+        return 0 if self.is_placeholder else len(self.seq_lens) - (1 if self.row_pad else 0)
+
+    @property
+    def token_shape(self) -> tuple[int]:
+        """``(T,)``: the shape of every per-token tensor of this micro-batch."""
+        return (self.num_tokens,)
+
+    def predicted(self) -> torch.Tensor:
+        """``[T]`` bool: token t is predicted from position t−1 of the same sequence (not a start)."""
+        return self.position_ids != 0
+
+    @property
+    def real_lens(self) -> tuple[int, ...]:
+        """Real tokens of each sample (``sample_lens``, or ``seq_lens`` when nothing is padded)."""
+        return self.sample_lens or tuple(self.seq_lens[: self.num_samples])
+
+    @property
+    def cu_seqlens_unpadded(self) -> torch.Tensor:
+        """int32 ``[len(seq_lens)+1]`` boundaries of the real tokens of each sequence (Transformer
+        Engine's ``cu_seqlens_q`` beside ``cu_seqlens_q_padded`` = :attr:`cu_seqlens`; the pad
+        pseudo-sequence counts 0 real tokens)."""
+        real = list(self.real_lens) + [0] * (len(self.seq_lens) - len(self.real_lens))
+        return torch.from_numpy(np.concatenate([[0], np.cumsum(real)]).astype(np.int32))
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedMicro:
         """A copy with every tensor on ``device`` (dtypes kept; host fields untouched)."""
@@ -90,13 +136,17 @@ class PackedMicro:
         return {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None]}
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Split a ``[T, ...]`` (or ``[1, T, ...]``) tensor into per-sample views (none for a placeholder)."""
+        """Split a ``[T, ...]`` (or ``[1, T, ...]``) tensor into per-sample views of each sample's REAL
+        tokens (padding left out; none for a placeholder)."""
         T = self.num_tokens
         x = packed[0] if packed.dim() >= 2 and packed.shape[0] == 1 and packed.shape[1] == T else packed
         if x.dim() == 0 or x.shape[0] != T:
             raise PlanError(f"cannot split a tensor of shape {tuple(packed.shape)} by this micro-batch: its "
                             f"token dimension must be T={T} ([T, ...] or [1, T, ...]).")
-        return () if self.is_placeholder else tuple(torch.split(x, list(self.seq_lens)))
+        if self.is_placeholder:
+            return ()
+        starts = np.concatenate([[0], np.cumsum(self.seq_lens)])
+        return tuple(x[int(a):int(a) + n] for a, n in zip(starts.tolist(), self.real_lens))
 
     def validate(self) -> None:
         """Check what varlen kernels silently trust; raise PlanError naming the first violation.
@@ -104,7 +154,10 @@ class PackedMicro:
         cu_seqlens: 1-D int32 of length n+1, starts at 0, strictly increasing, ends at T, and
         agrees with ``seq_lens``; ``max_seqlen`` covers the longest sequence; every [T] field has
         length T; position_ids restart at 0 at each boundary; loss weights are finite and 0
-        outside ``loss_mask`` and at sample starts. Syncs if the tensors live on a device.
+        outside ``loss_mask`` and at sample starts. Padding (see the module note): each sample's
+        sequence is its real tokens then the fewest pads to a multiple of ``pad_to_multiple_of``,
+        the row is a multiple of ``pad_row_to_multiple_of`` with the fewest pads in one trailing
+        pseudo-sequence, and no pad carries loss. Syncs if the tensors live on a device.
         """
         T = self.num_tokens
         cu = self.cu_seqlens
@@ -135,6 +188,36 @@ class PackedMicro:
                             "may carry loss (its prediction would come from the previous sample).")
         if self.sample_indices.numel() != self.num_samples:
             raise PlanError(f"sample_indices has {self.sample_indices.numel()} entries for {self.num_samples} samples.")
+        self._validate_padding(m)
+
+    def _validate_padding(self, loss_mask: torch.Tensor) -> None:
+        """The padding convention of the module note (a no-op without padding)."""
+        mult, r, n = self.pad_to_multiple_of, self.pad_row_to_multiple_of, self.num_samples
+        if self.sample_lens and len(self.sample_lens) != n:
+            raise PlanError(f"sample_lens has {len(self.sample_lens)} entries for {n} samples.")
+        seqs = list(self.seq_lens)
+        for j, (real, held) in enumerate(zip(self.real_lens, seqs)):
+            if not 1 <= real <= held or held != round_up(real, mult):
+                raise PlanError(f"sequence {j} holds {held} tokens for a sample of {real}: it must be padded to the "
+                                f"next multiple of pad_to_multiple_of={mult} ({round_up(real, mult)}).")
+        if self.is_placeholder:
+            if seqs[0] != round_up(round_up(1, mult), r):
+                raise PlanError(f"a placeholder holds one dummy token padded to {round_up(round_up(1, mult), r)}, "
+                                f"got {seqs[0]}.")
+            return
+        if self.row_pad != (seqs[-1] if len(seqs) > n else 0) or len(seqs) > n + 1:
+            raise PlanError(f"row_pad={self.row_pad} must be the length of the one trailing pad sequence "
+                            f"(seq_lens={seqs}, {n} samples).")
+        body = sum(seqs[:n])
+        if self.num_tokens != round_up(body, r):
+            raise PlanError(f"the row holds {self.num_tokens} tokens; padding {body} to a multiple of "
+                            f"pad_row_to_multiple_of={r} needs exactly {round_up(body, r)}.")
+        real = torch.zeros(self.num_tokens, dtype=torch.bool)
+        starts = np.concatenate([[0], np.cumsum(seqs)])
+        for a, k in zip(starts.tolist(), self.real_lens):
+            real[a:a + k] = True
+        if bool((loss_mask & ~real).any()):
+            raise PlanError("a pad token carries loss: loss_mask must be False on padding.")
 
 
 def _entry(source: Any, i: int, what: str) -> Any:
@@ -184,14 +267,16 @@ def _mask_tensor(masks: Any, i: int, length: int, loss_tokens: int) -> torch.Ten
     return m
 
 
-def _placeholder(micro: Micro, pad_token_id: int, weight_dtype: torch.dtype) -> PackedMicro:
+def _placeholder(micro: Micro, pad_token_id: int, weight_dtype: torch.dtype, mult: int = 1,
+                 row: int = 1) -> PackedMicro:
+    P = int(round_up(round_up(1, mult), row))  # one dummy token, padded like a sample and a row
     return PackedMicro(
-        input_ids=torch.full((1,), int(pad_token_id), dtype=torch.int64),
-        position_ids=torch.zeros(1, dtype=torch.int64),
-        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32), max_seqlen=1,
-        loss_weights=torch.zeros(1, dtype=weight_dtype), loss_mask=torch.zeros(1, dtype=torch.bool),
-        sample_indices=torch.zeros(0, dtype=torch.int64), seq_lens=(1,), is_placeholder=True,
-        cp_size=int(micro.cp_size))
+        input_ids=torch.full((P,), int(pad_token_id), dtype=torch.int64),
+        position_ids=torch.arange(P, dtype=torch.int64),
+        cu_seqlens=torch.tensor([0, P], dtype=torch.int32), max_seqlen=P,
+        loss_weights=torch.zeros(P, dtype=weight_dtype), loss_mask=torch.zeros(P, dtype=torch.bool),
+        sample_indices=torch.zeros(0, dtype=torch.int64), seq_lens=(P,), is_placeholder=True,
+        cp_size=int(micro.cp_size), pad_to_multiple_of=mult, pad_row_to_multiple_of=row)
 
 
 def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
@@ -217,25 +302,60 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
     if not isinstance(micro, Micro):
         raise PlanError("pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), "
                         f"got {type(micro).__name__}.")
+    fp = micro.footprint
+    if fp is not None and fp.padded:
+        from .padded import pack_padded_micro  # the [n, W] layouts
+        return pack_padded_micro(micro, token_ids, loss_masks=loss_masks, pad_token_id=pad_token_id,
+                                 weight_dtype=weight_dtype)
+    mult, row = (1, 1) if fp is None else (fp.padding.sample_multiple, fp.padding.row_multiple)
     if micro.is_placeholder:
-        return _placeholder(micro, pad_token_id, weight_dtype)
-    ids, masks, weights, lens = [], [], [], []
+        return _placeholder(micro, pad_token_id, weight_dtype, mult, row)
+    ids, masks, weights, pos, lens, real = [], [], [], [], [], []
+
+    def pad(k: int) -> None:  # k pad tokens: no loss
+        ids.append(torch.full((k,), int(pad_token_id), dtype=torch.int64))
+        masks.append(torch.zeros(k, dtype=torch.bool))
+        weights.append(torch.zeros(k, dtype=torch.float64))
+
     for i, n, k, scale in zip(micro.indices.tolist(), micro.seq_lens.tolist(), micro.loss_tokens.tolist(),
                               micro.loss_scale.tolist()):
         ids.append(_token_tensor(_entry(token_ids, i, "token_ids"), i, n))
         m = _mask_tensor(loss_masks, i, n, k)
         masks.append(m)
         weights.append(m.to(torch.float64) * scale)
-        lens.append(n)
+        held = int(round_up(n, mult))
+        if held > n:  # inside the sample's own sequence, after its tokens
+            pad(held - n)
+        pos.append(torch.arange(held, dtype=torch.int64))
+        lens.append(held)
+        real.append(n)
+    row_pad = int(round_up(sum(lens), row)) - sum(lens)
+    if row_pad:  # a trailing pseudo-sequence of its own
+        pad(row_pad)
+        pos.append(torch.arange(row_pad, dtype=torch.int64))
+        lens.append(row_pad)
     cu = np.concatenate([[0], np.cumsum(lens)])
     packed = PackedMicro(
-        input_ids=torch.cat(ids), position_ids=torch.cat([torch.arange(n, dtype=torch.int64) for n in lens]),
+        input_ids=torch.cat(ids), position_ids=torch.cat(pos),
         cu_seqlens=torch.from_numpy(cu.astype(np.int32)), max_seqlen=int(max(lens)),
         loss_weights=torch.cat(weights).to(weight_dtype), loss_mask=torch.cat(masks),
         sample_indices=torch.from_numpy(micro.indices.astype(np.int64)), seq_lens=tuple(lens),
-        cp_size=int(micro.cp_size))
+        cp_size=int(micro.cp_size), sample_lens=tuple(real), row_pad=row_pad, pad_to_multiple_of=mult,
+        pad_row_to_multiple_of=row)
     packed.validate()
     return packed
+
+
+def _value_tensor(values: Sequence[Any] | Mapping[int, Any], i: int, n: int) -> torch.Tensor:
+    """``values[i]`` as a host tensor of sample i's ``n`` tokens (a scalar is broadcast)."""
+    v = _entry(values, i, "values")
+    t = v.detach().cpu() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
+    if t.dim() == 0:
+        return t.expand(n)
+    if tuple(t.shape) != (n,):
+        raise PlanError(f"values[{i}] has shape {tuple(t.shape)}; give a scalar or a 1-D tensor of the "
+                        f"sample's {n} tokens.")
+    return t
 
 
 def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], *, fill: float = 0.0,
@@ -243,20 +363,24 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
     """Pack per-sample values into the micro-batch's ``[T]`` layout (old log-probs, advantages...).
 
     ``values[i]`` (indexed by GLOBAL sample index) is either a 1-D tensor of sample i's length
-    (token aligned like ``input_ids``) or a scalar broadcast over its tokens. A placeholder gives
-    ``[fill]``. The result is on the host; move it with ``.to(device)``.
+    (token aligned like ``input_ids``) or a scalar broadcast over its tokens. Padding (and a
+    placeholder's dummy tokens) get ``fill``. The result is on the host; move it with
+    ``.to(device)``. A :class:`~microplan.torch.padded.PaddedMicro` gives ``[n, W]``.
     """
+    if not isinstance(packed, PackedMicro):
+        from .padded import PaddedMicro, pack_padded_values
+        if isinstance(packed, PaddedMicro):
+            return pack_padded_values(packed, values, fill=fill, dtype=dtype)
+        raise PlanError(f"pack_values takes a PackedMicro or PaddedMicro, got {type(packed).__name__}.")
     if packed.is_placeholder:
-        return torch.full((1,), fill, dtype=dtype or torch.float64)
+        return torch.full((packed.num_tokens,), fill, dtype=dtype or torch.float64)
     parts = []
-    for i, n in zip(packed.sample_indices.tolist(), packed.seq_lens):
-        v = _entry(values, i, "values")
-        t = v.detach().cpu() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
-        if t.dim() == 0:
-            t = t.expand(n)
-        elif tuple(t.shape) != (n,):
-            raise PlanError(f"values[{i}] has shape {tuple(t.shape)}; give a scalar or a 1-D tensor of the "
-                            f"sample's {n} tokens.")
+    for i, n, held in zip(packed.sample_indices.tolist(), packed.real_lens, packed.seq_lens):
+        t = _value_tensor(values, i, n)
         parts.append(t)
+        if held > n:
+            parts.append(torch.full((held - n,), fill, dtype=t.dtype))
+    if packed.row_pad:
+        parts.append(torch.full((packed.row_pad,), fill, dtype=parts[-1].dtype))
     out = torch.cat(parts)
     return out.to(dtype) if dtype is not None else out

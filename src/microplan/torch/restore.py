@@ -25,6 +25,7 @@ import torch
 from ..errors import PlanError
 from ..types import Micro
 from .packing import PackedMicro
+from .padded import PaddedMicro
 
 __all__ = ["Restored", "restore_order"]
 
@@ -61,18 +62,21 @@ class Restored:
         return torch.stack(self.values)
 
 
-def _layout(m: Micro | PackedMicro, pos: int) -> tuple[bool, list[int], list[int]]:
+def _layout(m: Micro | PackedMicro | PaddedMicro, pos: int) -> tuple[bool, list[int], list[int]]:
     """(is_placeholder, global indices, sequence lengths) of one micro-batch."""
-    if isinstance(m, PackedMicro):
-        return m.is_placeholder, m.sample_indices.tolist(), list(m.seq_lens)
+    if isinstance(m, (PackedMicro, PaddedMicro)):
+        return m.is_placeholder, m.sample_indices.tolist(), list(m.real_lens)
     if isinstance(m, Micro):
         return m.is_placeholder, m.indices.tolist(), m.seq_lens.tolist()
     raise PlanError(f"micros[{pos}] is a {type(m).__name__}; pass the rank's Micro or PackedMicro objects, "
                     "flattened over steps: [m for step in plan.rank(r) for m in step].")
 
 
-def _split_output(out: Any, m: int, idx: list[int], lens: list[int], kind: str) -> Sequence[torch.Tensor]:
+def _split_output(out: Any, m: int, idx: list[int], lens: list[int], kind: str,
+                  packed: PackedMicro | PaddedMicro | None = None) -> Sequence[torch.Tensor]:
     n = len(idx)
+    if isinstance(out, torch.Tensor) and kind == "token" and packed is not None:
+        return packed.split(out)  # the micro-batch's own layout: real tokens only, padding left out
     if isinstance(out, torch.Tensor):
         if kind == "sample":
             if out.dim() == 0 or out.shape[0] != n:
@@ -97,7 +101,8 @@ def restore_order(micros: Sequence[Micro | PackedMicro], outputs: Sequence[Any],
     """Put per-micro outputs back in sample order, dropping placeholder outputs.
 
     Args:
-        micros: the rank's micro-batches in execution order (``Micro`` or ``PackedMicro``).
+        micros: the rank's micro-batches in execution order (``Micro``, ``PackedMicro`` or
+            ``PaddedMicro``; pass the packed ones when the plan pads, so padding is left out).
         outputs: ``outputs[m]`` for micro-batch m: a tensor, or a list of per-sample tensors.
         order: global sample indices to return, in this order; must be exactly the real samples
             of ``micros`` (e.g. the rank's own slice of the batch). Default: ascending index.
@@ -119,7 +124,8 @@ def restore_order(micros: Sequence[Micro | PackedMicro], outputs: Sequence[Any],
         placeholder, idx, lens = _layout(micro, m)
         if placeholder:
             continue
-        for i, v in zip(idx, _split_output(out, m, idx, lens, kind)):
+        packed = micro if isinstance(micro, (PackedMicro, PaddedMicro)) else None
+        for i, v in zip(idx, _split_output(out, m, idx, lens, kind, packed)):
             if i in found:
                 raise PlanError(f"sample {i} appears in two micro-batches; pass each micro-batch once.")
             found[i] = v

@@ -1,0 +1,166 @@
+"""Padded layouts: padding waste and lockstep balance of microplan vs the peers' padded batching.
+
+Design note. Trainers without varlen kernels run a micro-batch of n samples as an ``[n, W]``
+tensor, so the cap counts n·W and every row costs like a row of W. For every trace family × dp ×
+seed we build ONE optimizer step (``bench_planners.make_step``: ~16/32/64 samples per GPU, the
+family's cap and context window), lay it out with each planner and score it with
+``metrics.padded_step_metrics`` (same definitions for everyone): padded tokens / real tokens,
+micro-batches over the cap counting padding, equal counts, lockstep / LB_pad (the padded cost
+of the plan's own micro-batches, perfectly balanced: balance only) and lockstep / LB_real (the
+varlen lower bound of the real tokens: padding and balance together). Planners (1D rows):
+microplan ``layout="padded"``, NeMo-RL's sorted buckets, fixed micro_batch_size (verl/OpenRLHF
+static); 2D rows ([n, max prompt + max response]): microplan ``layout="padded-2d"`` vs UniRL's 2D
+FFD. ``microplan-varlen`` (the varlen plan, scored in varlen cost) is the reference a padded
+layout gives up. Cost: the ~7B dense model of bench_planners (metrics.dense_7b_cost).
+
+Run: ``python -m benchmarks.bench_layouts [--quick]``. Prints the table and writes
+``benchmarks/results/layouts-<date>-<host>.json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import microplan as mp  # noqa: E402
+
+from benchmarks._results import save_json  # noqa: E402
+from benchmarks.bench_planners import FAMILIES, SPG, _agg, _mw, bench_args, group_rows, make_step  # noqa: E402
+from benchmarks.bench_planners import COLUMNS as _PLANNER_COLUMNS  # noqa: E402
+from benchmarks.bench_planners import format_table as _format_table  # noqa: E402
+from benchmarks.metrics import dense_7b_cost, from_microplan, padded_step_metrics, step_metrics  # noqa: E402
+from benchmarks.peers.padded import plan_fixed_mbs, plan_sorted_buckets, plan_unirl_2d  # noqa: E402
+
+TARGETS = {"families": ["grpo-longtail", "stepwise-multiturn"], "waste_median": 1.05, "lockstep_median": 1.01,
+           "over_cap": 0}
+PLANNERS = {
+    "microplan": "microplan layout='padded' (runs of similar length, K by predicted time)",
+    "sorted-buckets": "NeMo-RL (NVIDIA-NeMo/RL, 2026-08) dynamic batching: sorted, strided deal, shared boundaries",
+    "fixed-mbs": "verl/OpenRLHF static micro_batch_size = cap // max_len on contiguous shares",
+    "microplan-2d": "microplan layout='padded-2d' ([n, max prompt + max response])",
+    "unirl-2d": "UniRL (Tencent-Hunyuan/UniRL, 2026-06) per-rank FFD under the dense 2D budget, count MAX",
+    "microplan-varlen": "microplan layout='varlen' (reference: no padding, scored in varlen cost)",
+}
+TWO_D = ("microplan-2d", "unirl-2d")
+
+
+def _plan_microplan(batch: mp.Batch, dp: int, cap: int, cost, layout: str):
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, layout=layout)
+    t = time.perf_counter()
+    p = mp.plan(batch, cfg)
+    dt = time.perf_counter() - t
+    p.validate()
+    return from_microplan(p), dt
+
+
+def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list[dict]:
+    max_len, cap, _ = FAMILIES[family]
+    spg = SPG[seed % len(SPG)]
+    b = make_step(family, dp, spg, seed)
+    lens, plens = np.asarray(b.seq_lens), np.asarray(b.prompt_lens)
+    rows = []
+    for name in planners:
+        row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=b.num_samples,
+                   tokens=int(lens.sum()), cap=cap)
+        t = time.perf_counter()
+        if name == "microplan-varlen":
+            plan, dt = _plan_microplan(b, dp, cap, cost, "varlen")
+            m = step_metrics(plan, lens, dp=dp, cap=cap, cost=cost)
+            rows.append({**row, "ms": dt * 1e3, "over_cap": m.over_cap, "max_tokens_ratio": m.max_tokens_ratio,
+                         "waste": 1.0, "equal_counts": m.equal_counts, "empties": m.empties, "lost": m.lost,
+                         "duplicated": m.duplicated, "K": m.K, "lockstep_ratio": m.lockstep_ratio,
+                         "real_ratio": m.lockstep_ratio})
+            continue
+        if name in ("microplan", "microplan-2d"):
+            plan, dt = _plan_microplan(b, dp, cap, cost, "padded" if name == "microplan" else "padded-2d")
+        elif name == "sorted-buckets":
+            plan, dt = plan_sorted_buckets(lens, dp=dp, cap=cap), time.perf_counter() - t
+        elif name == "fixed-mbs":
+            plan, dt = plan_fixed_mbs(lens, dp=dp, cap=cap, max_len=max_len), time.perf_counter() - t
+        else:
+            plan, dt = plan_unirl_2d(lens, plens, dp=dp, cap=cap), time.perf_counter() - t
+        m = padded_step_metrics(plan, lens, dp=dp, cap=cap, cost=cost, prompt_lens=plens if name in TWO_D else None)
+        rows.append({**row, "ms": dt * 1e3, **m.to_dict()})
+    return rows
+
+
+def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> list[dict]:
+    """Median and worst of every column per group of ``keys``."""
+    out = []
+    for key, rs in group_rows(rows, keys).items():
+        s = dict(zip(keys, key), cases=len(rs))
+        for col in ("over_cap", "max_tokens_ratio", "waste", "lockstep_ratio", "real_ratio", "ms", "K"):
+            s[col] = _agg([r[col] for r in rs])
+        s["equal"] = float(np.mean([r["equal_counts"] for r in rs]))
+        s["empties"] = _agg([r["empties"] for r in rs])
+        s["lost"] = max(r["lost"] for r in rs)
+        s["dup"] = max(r["duplicated"] for r in rs)
+        out.append(s)
+    return out
+
+
+_SHARED = {name: col for col in _PLANNER_COLUMNS for name in (col[0],)}  # bench_planners' cells
+COLUMNS = [_SHARED["over-cap"], _SHARED["tok/cap"],
+           ("padded/real", 13, lambda s: _mw(s["waste"], ".3f")),
+           _SHARED["equal"], _SHARED["empty"], _SHARED["lost/dup"],
+           ("K", 7, lambda s: _mw(s["K"], ".0f")),
+           ("lockstep/LB_pad", 15, lambda s: _mw(s["lockstep_ratio"], ".4f")),
+           ("lockstep/LB_real", 16, lambda s: _mw(s["real_ratio"], ".4f")),
+           _SHARED["plan ms"]]
+
+
+def format_table(summary: list[dict], keys: tuple[str, ...] = ("family", "planner")) -> str:
+    """Fixed-width table of this benchmark's columns (bench_planners.format_table)."""
+    return _format_table(summary, keys, COLUMNS)
+
+
+def check_targets(summary: list[dict]) -> list[str]:
+    """The issue's targets for microplan's padded layout, as lines 'ok'/'MISS'."""
+    out = []
+    for s in summary:
+        if s["planner"] != "microplan" or s["family"] not in TARGETS["families"]:
+            continue
+        ok = (s["waste"][0] <= TARGETS["waste_median"], s["lockstep_ratio"][0] <= TARGETS["lockstep_median"],
+              s["over_cap"][1] == TARGETS["over_cap"])
+        out.append(f"{s['family']}: padded/real median {s['waste'][0]:.3f} (<= 1.05: {'ok' if ok[0] else 'MISS'}), "
+                   f"lockstep/LB_pad median {s['lockstep_ratio'][0]:.4f} (<= 1.01: {'ok' if ok[1] else 'MISS'}), "
+                   f"over-cap worst {s['over_cap'][1]:.0f} (0: {'ok' if ok[2] else 'MISS'})")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, dps, seeds = bench_args(argv, __doc__, list(PLANNERS), (8, 16, 32))
+    cost = dense_7b_cost()
+    rows = []
+    for fam in args.families:
+        for dp in dps:
+            for seed in seeds:
+                rows.extend(run_case(fam, dp, seed, cost, args.planners))
+    summary = summarise(rows)
+    print(f"padded layouts, one step per case, dp {list(dps)} x seeds {list(seeds)}; cells: median/worst")
+    print(format_table(summary))
+    print("\nmicroplan by family x dp:")
+    mp_rows = [r for r in rows if r["planner"] in ("microplan", "microplan-2d")]
+    print(format_table(summarise(mp_rows, ("family", "dp", "planner")), ("family", "dp", "planner")))
+    print("\ntargets (microplan, layout='padded'):")
+    for line in check_targets(summary):
+        print("  " + line)
+    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                  cost=cost.to_dict(), families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
+                  dp=list(dps), seeds=list(seeds), targets=TARGETS, labels=PLANNERS, summary=summary, rows=rows)
+    if not args.no_write:
+        stem = save_json("layouts", result)
+        print(f"\nwrote {stem}.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
