@@ -28,6 +28,7 @@ _FIX = {
                 "empty samples out of the batch.",
     "loss_tokens": "pass each sample's loss-token count (its response-mask sum) as an int from 0 to its seq_lens.",
     "prompt_lens": "pass each sample's prompt token count as an int from 0 to its seq_lens.",
+    "rank_of": "pass the data-parallel rank (an int >= 0) that holds each sample, or leave rank_of out.",
 }
 
 
@@ -88,6 +89,9 @@ class Batch:
         rollout_ids: one id per sample; samples sharing it are one rollout (the turns of a
             step-wise trajectory). A rollout belongs to exactly one prompt and never spans two
             optimizer steps. Default: every sample is its own rollout.
+        rank_of: the data-parallel rank that already holds each sample (ints >= 0), for
+            ``PlanConfig(placement="local")``: such a plan never moves a sample off its rank.
+            Ignored by global placement. Default None (no owner known).
 
     Attributes:
         prompt_codes / rollout_codes: int64 dense codes (0, 1, ...) in order of first appearance.
@@ -95,13 +99,14 @@ class Batch:
     """
 
     __slots__ = ("seq_lens", "loss_tokens", "prompt_lens", "prompt_codes", "rollout_codes",
-                 "prompt_ids", "rollout_ids")
+                 "prompt_ids", "rollout_ids", "rank_of")
 
     def __init__(self, seq_lens: Sequence[int] | np.ndarray, *,
                  loss_tokens: Sequence[int] | np.ndarray | None = None,
                  prompt_lens: Sequence[int] | np.ndarray | None = None,
                  prompt_ids: Sequence[Any] | np.ndarray | None = None,
-                 rollout_ids: Sequence[Any] | np.ndarray | None = None) -> None:
+                 rollout_ids: Sequence[Any] | np.ndarray | None = None,
+                 rank_of: Sequence[int] | np.ndarray | None = None) -> None:
         lens = _ints("seq_lens", seq_lens, minimum=1)
         n = lens.size
         plens = None
@@ -145,6 +150,15 @@ class Batch:
         self.rollout_codes = rcodes
         self.prompt_ids = pids
         self.rollout_ids = rids
+        self.rank_of = _owners(rank_of, n)
+
+    def with_rank_of(self, rank_of: Sequence[int] | np.ndarray | None) -> Batch:
+        """This batch with each sample's owner rank set (or cleared with None); nothing else re-checked."""
+        out = object.__new__(Batch)
+        for name in Batch.__slots__:
+            object.__setattr__(out, name, getattr(self, name))
+        out.rank_of = _owners(rank_of, self.num_samples)
+        return out
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -175,7 +189,8 @@ class Batch:
                 and np.array_equal(self.prompt_codes, other.prompt_codes)
                 and np.array_equal(self.rollout_codes, other.rollout_codes)
                 and self.prompt_ids == other.prompt_ids
-                and self.rollout_ids == other.rollout_ids)
+                and self.rollout_ids == other.rollout_ids
+                and _opt_equal(self.rank_of, other.rank_of))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -185,21 +200,36 @@ class Batch:
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch."""
-        return {
+        """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch.
+
+        ``rank_of`` appears only when set, so a batch without owners serialises (and fingerprints)
+        exactly as before owners existed.
+        """
+        d = {
             "seq_lens": self.seq_lens.tolist(),
             "loss_tokens": self.loss_tokens.tolist(),
             "prompt_lens": None if self.prompt_lens is None else self.prompt_lens.tolist(),
             "prompt_ids": self.prompt_ids,
             "rollout_ids": self.rollout_ids,
         }
+        if self.rank_of is not None:
+            d["rank_of"] = self.rank_of.tolist()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Batch:
         return cls(np.asarray(d["seq_lens"], dtype=np.int64),
                    loss_tokens=np.asarray(d["loss_tokens"], dtype=np.int64),
                    prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
-                   rollout_ids=d.get("rollout_ids"))
+                   rollout_ids=d.get("rollout_ids"), rank_of=d.get("rank_of"))
+
+
+def _owners(rank_of: Any, n: int) -> np.ndarray | None:
+    if rank_of is None:
+        return None
+    arr = _ints("rank_of", rank_of, minimum=0)
+    _same_length("rank_of", arr, n)
+    return arr
 
 
 def _same_length(name: str, arr: np.ndarray, n: int) -> None:

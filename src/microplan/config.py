@@ -46,6 +46,7 @@ LossMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-to
                    "seq-mean-token-sum-norm", "prompt-mean", "rollout-mean"]
 ShortStep = Literal["pad", "drop", "error"]
 Sync = Literal["micro", "step"]
+Placement = Literal["global", "local"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -198,6 +199,12 @@ class PlanConfig:
         loss: a :class:`Loss` (default ``Loss("token-mean")``).
         context_parallel: a :class:`ContextParallel`, or None for none.
         seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+        placement: ``"global"`` (default): the planner chooses every sample's rank, so the data
+            must be (re)distributed to follow the plan. ``"local"``: every sample stays on the
+            rank that already holds it (``Batch(..., rank_of=...)``, which ``plan_distributed``
+            fills from the gathering rank); the plan still gives every rank the same K, the token
+            cap, lockstep-balanced slots and exact loss scales (docs/planner.md, "Local
+            placement"). Not with dynamic context parallel.
     """
 
     dp_size: int
@@ -211,6 +218,7 @@ class PlanConfig:
     loss: Loss | None = None
     context_parallel: ContextParallel | None = None
     seed: int = 0
+    placement: Placement = "global"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -265,6 +273,14 @@ class PlanConfig:
                                 f"of ContextParallel.max_size={cp.max_size} so power-of-two CP groups tile it; got "
                                 f"dp_size={self.dp_size}.")
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
+        if self.placement not in ("global", "local"):
+            raise PlanError(f"PlanConfig.placement={self.placement!r} must be 'global' (the plan chooses each "
+                            "sample's rank) or 'local' (samples stay on the rank that holds them: pass "
+                            "Batch(..., rank_of=...)).")
+        if self.placement == "local" and cp is not None and cp.dynamic:
+            raise PlanError("PlanConfig.placement='local' cannot be combined with dynamic context parallel "
+                            "(ContextParallel(max_size=...)): dynamic CP groups span DP ranks, so samples would "
+                            "move. Use placement='global', or a fixed ContextParallel(size=c).")
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -292,6 +308,7 @@ class PlanConfig:
             "loss": self.loss.to_dict(),  # type: ignore[union-attr]
             "context_parallel": None if self.context_parallel is None else self.context_parallel.to_dict(),
             "seed": self.seed,
+            **({"placement": self.placement} if self.placement != "global" else {}),
         }
 
     @classmethod
@@ -302,4 +319,4 @@ class PlanConfig:
                    align=d["align"], short_step=d["short_step"], cost=cost_from_dict(d["cost"]),
                    sync=d["sync"], loss=Loss.from_dict(d["loss"]),
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
-                   seed=d["seed"])
+                   seed=d["seed"], placement=d.get("placement", "global"))

@@ -25,11 +25,12 @@ from ..config import PlanConfig
 from ..cost.models import CostModel, is_additive
 from ..errors import PlanError
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
-from .kchoice import MAX_EVALS, KChoice, packed_slope, step_time, time_lower_bounds
+from .kchoice import KChoice, choose_k, packed_slope, step_time, time_lower_bounds
 from .pack import bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .refine import refine_bins
 
-__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets"]
+__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "fill_targets", "pack_at", "check_cap",
+           "adjusted_slope", "round_up", "cdiv"]
 
 FFD_MAX_SAMPLES = 4096  # first-fit-decreasing fallback is O(n·m) numpy: only for steps up to this size
 
@@ -52,12 +53,12 @@ class _Packing(NamedTuple):
     choice: KChoice | None
 
 
-def _cdiv(x, d):  # ceil division for ints and int arrays
+def cdiv(x, d):  # ceil division for ints and int arrays
     return -(-x // d)
 
 
-def _round_up(x, a):
-    return _cdiv(x, a) * a
+def round_up(x, a):
+    return cdiv(x, a) * a
 
 
 def effective_cap(cfg: PlanConfig) -> int | None:
@@ -71,79 +72,26 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> _Packing:
     """The packing with the K of lowest predicted time; num_bins < dp·K means placeholders."""
     D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
-        K = _round_up(_cdiv(_cdiv(n, cfg.micro_batch_size), D), a)
+        K = round_up(cdiv(cdiv(n, cfg.micro_batch_size), D), a)
         m = min(n, D * K)
         return _Packing(round_robin_pack(costs, m), m, K, None)
     cap = effective_cap(cfg)
     assert cap is not None and cfg.cost is not None
-    K0 = _round_up(_cdiv(bins_lower_bound(lens, cap), D), a)
+    cost, cp = cfg.cost, cfg.static_cp_size
+    K0 = round_up(cdiv(bins_lower_bound(lens, cap), D), a)
     k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
-    if is_additive(cfg.cost) or k_hi <= K0:
-        return _grow(lens, costs, cfg, K0, K0, [])
-    return _search(lens, costs, cfg, K0, k_hi)
+    K, bin_of, choice = choose_k(
+        K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync,
+        lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
+                                                  cost=cost),
+        pack=lambda K: pack_at(lens, costs, min(n, D * K), D, K, cap, cost),  # m == n: one sample per bin
+        time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
+    return _Packing(bin_of, min(n, D * K), K, choice)
 
 
 def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> float:
     return step_time(bin_of, m, cfg.dp_size, K, lens, costs, cfg.cost, cfg.sync,  # type: ignore[arg-type]
                      width=cfg.static_cp_size)
-
-
-def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
-          tried: list[tuple[int, float]]) -> _Packing:
-    """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
-    D, n, cap = cfg.dp_size, lens.size, effective_cap(cfg)
-    while True:
-        m = min(n, D * K)
-        bin_of = _pack_at(lens, costs, m, D, K, cap, cfg.cost)  # type: ignore[arg-type]
-        if bin_of is not None:
-            break
-        tried.append((K, float("inf")))
-        K += cfg.align  # m == n always packs (one sample per bin), so this terminates
-    tried.append((K, _time(bin_of, m, K, lens, costs, cfg)))
-    if K == K0:
-        why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
-               "micro-batches only add per-micro cost")
-    else:
-        why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
-    return _Packing(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
-
-
-def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int) -> _Packing:
-    """Walk K from argmin LB(K) while the packed plan's predicted time improves (packed-row costs)."""
-    D, a, cap = cfg.dp_size, cfg.align, effective_cap(cfg)
-    cp = cfg.static_cp_size
-    Ks = np.arange(K0, k_hi + 1, a)
-    lb = time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cfg.cost)  # type: ignore[arg-type]
-    start = int(Ks[int(np.argmin(lb))])
-    done: dict[int, tuple[float, np.ndarray | None]] = {}
-    order: list[int] = []
-
-    def evaluate(K: int) -> float:
-        bin_of = _pack_at(lens, costs, D * K, D, K, cap, cfg.cost)  # type: ignore[arg-type]
-        t = float("inf") if bin_of is None else _time(bin_of, D * K, K, lens, costs, cfg)
-        done[K] = (t, bin_of)
-        order.append(K)
-        return t
-
-    best_t = evaluate(start)
-    for direction in (+a, -a):
-        K = start + direction
-        while K0 <= K <= k_hi and len(done) < MAX_EVALS:
-            t = evaluate(K)
-            cur = min(v[0] for v in done.values())
-            if t > cur * (1 + 1e-12) and np.isfinite(cur):
-                break
-            K += direction
-        best_t = min(v[0] for v in done.values())
-    if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
-        return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order])
-    K = min(k for k in done if done[k][0] == best_t)
-    cands = tuple((k, done[k][0]) for k in order)
-    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
-    why = (f"K={K} has the lowest predicted {'lockstep' if cfg.sync == 'micro' else 'step-sync'} time of the "
-           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
-           f"(lower bound K={K0})")
-    return _Packing(done[K][1], D * K, K, KChoice(K, K0, cands, why))  # type: ignore[arg-type]
 
 
 def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
@@ -156,24 +104,31 @@ def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
     takes work away from later slots instead of leaving GPUs idle.
     """
     desc = np.sort(costs)[::-1]
-    left, out = float(costs.sum()), np.empty(K)
+    lead = np.array([float(desc[m * D]) if m * D < desc.size else 0.0 for m in range(K)])
+    return fill_targets(lead, float(costs.sum()), D, K)
+
+
+def fill_targets(lead: np.ndarray, total: float, D: int, K: int) -> np.ndarray:
+    """Water-fill ``total`` cost over K slots of D micro-batches, slot m at least ``lead[m]`` (descending)."""
+    left, out = total, np.empty(K)
     for m in range(K):
-        lead = float(desc[m * D]) if m * D < desc.size else 0.0
-        out[m] = max(left / (D * (K - m)), lead)
+        out[m] = max(left / (D * (K - m)), float(lead[m]))
         left = max(left - D * out[m], 0.0)
     return out
 
 
-def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
-             cost: CostModel) -> np.ndarray | None:
+def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int, cost: CostModel, *,
+            targets: np.ndarray | None = None) -> np.ndarray | None:
     """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
 
     With a packed-row term the samples are balanced on their first-order cost at the mean row
-    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g).
+    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). ``targets``: per-slot cost
+    targets (length K, in those first-order units) to pack toward instead of this step's own
+    :func:`slot_targets` (local placement passes targets shared by every rank).
     """
     if not is_additive(cost) and m:
-        costs = costs + packed_slope(cost, float(lens.sum()) / m) * lens
-    bin_of = _pack_slots(lens, costs, m, D, K, cap)
+        costs = costs + adjusted_slope(cost, lens, m) * lens
+    bin_of = _pack_slots(lens, costs, m, D, K, cap, targets)
     if bin_of is not None:
         return bin_of
     n = lens.size
@@ -184,11 +139,17 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: i
     return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap)
 
 
-def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int) -> np.ndarray | None:
+def adjusted_slope(cost: CostModel, lens: np.ndarray, m: int) -> float:
+    """g'(T̄) at the mean row length of m bins: the per-token cost :func:`pack_at` adds (0 if additive)."""
+    return packed_slope(cost, float(lens.sum()) / m) if m and not is_additive(cost) else 0.0
+
+
+def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
+                targets: np.ndarray | None = None) -> np.ndarray | None:
     """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
     bin_of = None
     if m == D * K and K > 1:
-        offset = np.repeat(slot_targets(costs, D, K), D)
+        offset = np.repeat(slot_targets(costs, D, K) if targets is None else targets, D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
         bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load)
         if bin_of is not None and np.bincount(bin_of, minlength=m).min() == 0:
@@ -199,7 +160,8 @@ def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap
     return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap)
 
 
-def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
+def check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
+    """PlanError naming the longest sample when it fits no micro-batch (cap × static CP degree)."""
     cap = effective_cap(cfg)
     if cap is None or lens.size == 0 or lens.max() <= cap:
         return
@@ -214,7 +176,7 @@ def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> N
 def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray,
              rollouts: np.ndarray, cfg: PlanConfig) -> StepFit:
     """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes)."""
-    _check_cap(lens, samples, cfg)
+    check_cap(lens, samples, cfg)
     bin_of, m, K, choice = _pack(lens, costs, cfg)
     all_pos = np.arange(lens.size, dtype=np.int64)
     none = np.zeros(0, dtype=np.int64)
@@ -236,14 +198,14 @@ def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.
     n_r = np.bincount(inverse, minlength=R)
     kept_n = np.cumsum(n_r)
     if cfg.micro_batch_size is not None:
-        m_lb = _cdiv(kept_n, cfg.micro_batch_size)
+        m_lb = cdiv(kept_n, cfg.micro_batch_size)
     else:
         cap = effective_cap(cfg)
         assert cap is not None
         tok = np.cumsum(np.bincount(inverse, weights=lens, minlength=R))
         big = np.cumsum(np.bincount(inverse, weights=2 * lens > cap, minlength=R))
         m_lb = np.maximum(np.maximum(np.ceil(tok / cap), big), 1).astype(np.int64)
-    K_lb = _round_up(_cdiv(m_lb, D), a)
+    K_lb = round_up(cdiv(m_lb, D), a)
     for keep in range(R - 1, 0, -1):  # keep = number of rollouts kept
         n_keep = int(kept_n[keep - 1])
         if n_keep < D * a:

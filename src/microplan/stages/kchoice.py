@@ -23,13 +23,17 @@ bound for every plan the config allows. Cost: O(n) per LB scan, one packing per 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
 from .assign import arrange
 
-__all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS"]
+__all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
+           "choose_k"]
 
 MAX_EVALS = 8  # packings tried per step when the cost has a packed-row term
 
@@ -92,3 +96,70 @@ def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per
         Ks = np.arange(K_lb, top + 1)
     return float(time_lower_bounds(costs, lens, Ks, bins_per_k=bins_per_k, gpus=gpus, max_width=max_width,
                                    cost=cost).min())
+
+
+Packer = Callable[[int], Any]            # K -> a packing at K, or None when none was found
+Timer = Callable[[int, Any], float]      # (K, packing) -> predicted step time
+
+
+def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Callable[[np.ndarray], np.ndarray],
+             pack: Packer, time: Timer, sync: str) -> tuple[int, Any, KChoice]:
+    """The K of lowest predicted time and its packing (see the module note), for any packer.
+
+    ``K0``: the aligned lower bound; ``k_hi``: the largest aligned K that needs no placeholder.
+    Additive costs (or ``k_hi <= K0``): the smallest K >= K0 that packs. Otherwise: walk K from
+    argmin ``lower_bounds(Ks)`` up and down while the packed time improves (``MAX_EVALS``
+    packings at most); when nothing in range packs, grow past it. The global planner
+    (``fit.py``) and local placement (``local.py``) differ only in ``pack`` and ``time``.
+    """
+    if additive or k_hi <= K0:
+        return _grow(K0, K0, align, pack, time, [])
+    Ks = np.arange(K0, k_hi + 1, align)
+    start = int(Ks[int(np.argmin(lower_bounds(Ks)))])
+    done: dict[int, tuple[float, Any]] = {}
+    order: list[int] = []
+
+    def evaluate(K: int) -> float:
+        got = pack(K)
+        t = float("inf") if got is None else time(K, got)
+        done[K] = (t, got)
+        order.append(K)
+        return t
+
+    best_t = evaluate(start)
+    for direction in (+align, -align):
+        K = start + direction
+        while K0 <= K <= k_hi and len(done) < MAX_EVALS:
+            t = evaluate(K)
+            cur = min(v[0] for v in done.values())
+            if t > cur * (1 + 1e-12) and np.isfinite(cur):
+                break
+            K += direction
+        best_t = min(v[0] for v in done.values())
+    if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
+        return _grow(max(done) + align, K0, align, pack, time, [(k, done[k][0]) for k in order])
+    K = min(k for k in done if done[k][0] == best_t)
+    cands = tuple((k, done[k][0]) for k in order)
+    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
+    why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the "
+           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
+           f"(lower bound K={K0})")
+    return K, done[K][1], KChoice(K, K0, cands, why)
+
+
+def _grow(K: int, K0: int, align: int, pack: Packer, time: Timer,
+          tried: list[tuple[int, float]]) -> tuple[int, Any, KChoice]:
+    """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
+    while True:
+        got = pack(K)
+        if got is not None:
+            break
+        tried.append((K, float("inf")))
+        K += align  # the caller's packer succeeds once every sample has its own micro-batch
+    tried.append((K, time(K, got)))
+    if K == K0:
+        why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
+               "micro-batches only add per-micro cost")
+    else:
+        why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
+    return K, got, KChoice(K, K0, tuple(tried), why)
