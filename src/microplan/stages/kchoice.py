@@ -103,7 +103,7 @@ Timer = Callable[[int, Any], float]      # (K, packing) -> predicted step time
 
 
 def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Callable[[np.ndarray], np.ndarray],
-             pack: Packer, time: Timer, sync: str) -> tuple[int, Any, KChoice]:
+             pack: Packer, time: Timer, sync: str, probe_above: bool = False) -> tuple[int, Any, KChoice]:
     """The K of lowest predicted time and its packing (see the module note), for any packer.
 
     ``K0``: the aligned lower bound; ``k_hi``: the largest aligned K that needs no placeholder.
@@ -111,9 +111,14 @@ def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Ca
     argmin ``lower_bounds(Ks)`` up and down while the packed time improves (``MAX_EVALS``
     packings at most); when nothing in range packs, grow past it. The global planner
     (``fit.py``) and local placement (``local.py``) differ only in ``pack`` and ``time``.
+    ``probe_above``: with an additive cost, also try larger K (up to ``k_hi``) while the packed
+    time is above the next K's lower bound and keeps improving — local placement needs it when
+    the cap leaves a pinned rank no room to balance (its micro-batches all nearly full).
     """
     if additive or k_hi <= K0:
-        return _grow(K0, K0, align, pack, time, [])
+        K, got, choice = _grow(K0, K0, align, pack, time, [])
+        return _probe_above(K, got, choice, k_hi, align, lower_bounds, pack, time, sync) if probe_above else \
+            (K, got, choice)
     Ks = np.arange(K0, k_hi + 1, align)
     start = int(Ks[int(np.argmin(lower_bounds(Ks)))])
     done: dict[int, tuple[float, Any]] = {}
@@ -145,6 +150,30 @@ def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Ca
            f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
            f"(lower bound K={K0})")
     return K, done[K][1], KChoice(K, K0, cands, why)
+
+
+def _probe_above(K: int, got: Any, choice: KChoice, k_hi: int, align: int,
+                 lower_bounds: Callable[[np.ndarray], np.ndarray], pack: Packer, time: Timer,
+                 sync: str) -> tuple[int, Any, KChoice]:
+    """Walk K upward from the fewest that packs while that can still be faster (see choose_k)."""
+    tried = list(choice.candidates)
+    best_K, best, best_t = K, got, tried[-1][1]
+    k = K + align
+    while k <= k_hi and len(tried) < MAX_EVALS and float(lower_bounds(np.array([k]))[0]) < best_t * (1 - 1e-12):
+        cand = pack(k)
+        t = float("inf") if cand is None else time(k, cand)
+        tried.append((k, t))
+        if not t < best_t * (1 - 1e-12):
+            break
+        best_K, best, best_t = k, cand, t
+        k += align
+    if best_K == K:
+        return K, got, KChoice(K, choice.lower_bound, tuple(tried), choice.reason)
+    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(tried))
+    why = (f"K={best_K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K "
+           f"tried ({listing}): at fewer micro-batches the cap leaves a rank too little room to balance its "
+           f"samples (lower bound K={choice.lower_bound})")
+    return best_K, best, KChoice(best_K, choice.lower_bound, tuple(tried), why)
 
 
 def _grow(K: int, K0: int, align: int, pack: Packer, time: Timer,

@@ -146,7 +146,7 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
             per = [time_lower_bounds(c, ln, Ks, bins_per_k=1, gpus=cp, max_width=cp, cost=cost)
                    for ln, c, n in zip(ranks.lens, ranks.costs, ranks.n) if n]
             return np.max(per, axis=0)
-        K, bins, choice = choose_k(K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync,
+        K, bins, choice = choose_k(K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync, probe_above=True,
                                    lower_bounds=lower_bounds, pack=lambda K: _pack(ranks, K, cfg),
                                    time=lambda K, b: _time(ranks, b, K, cfg))
     assert bins is not None  # at K >= n_r every rank packs one sample per bin
