@@ -18,7 +18,9 @@ verl's own ``get_seqlen_balanced_partitions(calculate_workload(lens), dp, equal_
   24576·L + L²) and once with ``install(cost=...)`` given the benchmark's 7B cost, as a user who
   passes ``FlopsCost.from_hf_config(model_config)`` would.
 
-Both are scored by benchmarks/metrics.py with the benchmark's 7B cost: over-cap and empty
+A last row replaces verl's driver split by the drop-in's (``install()`` patches both sides), so
+its inputs to the worker side differ: it shows the end-to-end effect. All rows are scored by
+benchmarks/metrics.py with the benchmark's 7B cost: over-cap and empty
 micro-batches, equal counts, lockstep / LB (global lower bound) and lockstep / rank LB (the best
 any micro-batching can do on the given split). Run:
 ``/work/venv-verl/bin/python -m benchmarks.bench_verl [--quick]``; writes
@@ -61,6 +63,15 @@ def driver_split(lens: np.ndarray, dp: int) -> list[list[int]]:
     return out
 
 
+def microplan_split(lens: np.ndarray, dp: int) -> list[list[int]]:
+    """The drop-in's driver split on verl's workloads (what _balance_batch gets once install()ed)."""
+    import torch
+    from verl.utils.seqlen_balancing import calculate_workload
+
+    from microplan.integrations.verl import get_seqlen_balanced_partitions
+    return get_seqlen_balanced_partitions(calculate_workload(torch.from_numpy(lens)), dp, True)
+
+
 def _tensordict(lens: np.ndarray):
     import torch
     from verl.utils import tensordict_utils as tu
@@ -97,12 +108,13 @@ def run_case(family: str, dp: int, seed: int, cost) -> list[dict]:
     spg = SPG[seed % len(SPG)]
     batch = make_step(family, dp, spg, seed)
     lens = np.asarray(batch.seq_lens)[: batch.num_samples // dp * dp]
-    parts = driver_split(lens, dp)
+    verl_parts, mp_parts = driver_split(lens, dp), microplan_split(lens, dp)
     rows = []
-    planners = (("microplan drop-in, verl workload", run_microplan),
-                ("microplan drop-in, cost=7B", lambda p, ln, c: run_microplan(p, ln, c, cost)),
-                ("verl 0.9.1 (real)", run_verl))
-    for name, fn in planners:
+    planners = (("microplan drop-in, verl workload", verl_parts, run_microplan),
+                ("microplan drop-in, cost=7B", verl_parts, lambda p, ln, c: run_microplan(p, ln, c, cost)),
+                ("verl 0.9.1 (real)", verl_parts, run_verl),
+                ("microplan both sides, cost=7B", mp_parts, lambda p, ln, c: run_microplan(p, ln, c, cost)))
+    for name, parts, fn in planners:
         row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=int(lens.size), cap=cap)
         t = time.perf_counter()
         try:

@@ -13,8 +13,8 @@ or import the drop-ins by name (same signatures and return types as verl 0.9.1):
 
 Design note. verl balances in two places. The driver (``_balance_batch``) splits a batch over the
 DP ranks with ``get_seqlen_balanced_partitions(workloads, dp, equal_size=True)``; here that is one
-microplan plan with ``dp`` ranks (static batching of n/dp samples each when ``equal_size``, one
-token-balanced micro-batch per rank otherwise). Each worker then cuts its share into micro-batches
+microplan plan with ``dp`` ranks (static batching of n/dp samples each when ``equal_size``, then
+count-preserving swaps from the refine stage; one token-balanced micro-batch per rank otherwise). Each worker then cuts its share into micro-batches
 with ``rearrange_micro_batches``: verl plans each rank alone and all-reduces the count with MAX;
 here the ranks of ``dp_group`` all-gather their lengths (``microplan.torch.plan_distributed``,
 which also checks the plan fingerprints) and make ONE plan with ``placement="local"``: the samples
@@ -47,6 +47,7 @@ from ..batch import Batch
 from ..cost.models import CostModel
 from ..plan import Plan
 from ..planner import build_plan
+from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
@@ -103,7 +104,14 @@ def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int
     weights = np.maximum(values, 1).astype(np.int64)  # a zero-length item still takes a slot
     size = dict(micro_batch_size=n // k) if equal_size else dict(max_tokens_per_micro=int(weights.sum()))
     plan = build_plan(Batch(weights), PlanConfig(dp_size=k, cost=TokenCost(), **size))
-    return [sorted(int(i) for m in row for i in m.indices) for row in plan.steps[0].micros]
+    bin_of = np.empty(n, dtype=np.int64)
+    for r, row in enumerate(plan.steps[0].micros):
+        for m in row:
+            bin_of[m.indices] = r
+    if equal_size:  # static batching deals rounds; swaps (counts unchanged) close the gap to the mean
+        w = weights.astype(np.float64)
+        bin_of = refine_bins(bin_of, weights, w, k, None, moves=False, rel_tol=1e-6, max_iters=8 * k)
+    return [np.flatnonzero(bin_of == r).tolist() for r in range(k)]
 
 
 # -- worker side ---------------------------------------------------------------------------------

@@ -43,7 +43,7 @@ def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarra
 
 def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None,
                 *, offset: np.ndarray | None = None, max_iters: int | None = None,
-                rel_tol: float = 1e-3) -> np.ndarray:
+                rel_tol: float = 1e-3, moves: bool = True) -> np.ndarray:
     """Return an improved copy of ``bin_of`` (same bins, same cap, lower or equal max cost).
 
     ``offset`` (per bin) makes the search balance ``cost − offset`` instead, i.e. toward
@@ -51,6 +51,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     above the mean (above its target, with ``offset``), when the heaviest and lightest differ by
     at most that much, when no exchange helps, after 32 iterations in which the heaviest bin did
     not drop by that much, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
+    ``moves=False``: swaps only, so every bin keeps its sample count (equal-size partitions).
     """
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
@@ -82,7 +83,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
         since += 1
         ih, il = np.array(mem(h)), np.array(mem(l))
         got = _best_exchange(costs[ih], lens[ih], costs[il], lens[il], gap,
-                             int(big - tok[h]), int(big - tok[l]), ih.size > 1)
+                             int(big - tok[h]), int(big - tok[l]), moves and ih.size > 1)
         if got is None:
             break
         i, j, _ = got
