@@ -291,3 +291,18 @@ def test_local_drop_keeps_the_longest_prefix(data, case):
     event(f"short step: {bool(short)}")
     if short:
         _check_local_drop(batch, case, cfg, pad, short)
+
+
+@given(seed=st.integers(0, 2 ** 31), n=st.integers(2, 200), k=st.integers(2, 16))
+def test_refine_swaps_only_keep_counts_and_never_raise_the_max(seed, n, k):
+    """refine_bins(moves=False), used for equal-size splits (verl's driver side): counts unchanged,
+    the heaviest bin never heavier, every sample still in exactly one bin."""
+    from microplan.stages.pack import round_robin_pack
+    from microplan.stages.refine import refine_bins
+    rng = np.random.default_rng(seed)
+    w = rng.integers(1, 10 ** 6, n).astype(np.int64)
+    b = round_robin_pack(w.astype(float), min(k, n))
+    r = refine_bins(b, w, w.astype(float), min(k, n), None, moves=False, rel_tol=1e-6, max_iters=8 * k)
+    m = min(k, n)
+    assert np.array_equal(np.bincount(r, minlength=m), np.bincount(b, minlength=m))
+    assert np.bincount(r, weights=w, minlength=m).max() <= np.bincount(b, weights=w, minlength=m).max()

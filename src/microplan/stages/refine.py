@@ -87,8 +87,8 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
         if got is None:
             break
         i, j, _ = got
-        moves = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
-        for smp, src, dst in moves:
+        exchange = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
+        for smp, src, dst in exchange:
             mem(src).remove(smp)
             mem(dst).append(smp)
             load[src] -= costs[smp]
