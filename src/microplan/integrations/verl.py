@@ -30,8 +30,10 @@ lists; ``restore_dynamic_batch`` still restores the order).
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
 lists that are a permutation of the local batch. Balance uses verl's own workload model
-(24576·L + L², a 7B dense decoder) unless ``install(cost=...)`` gives a calibrated one.
-Measured (benchmarks/bench_verl.py, real verl 0.9.1 on the same inputs): see docs/integration.md.
+(24576·L + L², a 7B dense decoder, plus 256 tokens' worth per micro-batch) unless
+``install(cost=...)`` gives a calibrated one — which pays: on the benchmark families the lockstep
+time over the split's bound is 1.028 median with verl's model and 1.0025 with the model's own
+FLOPs (verl itself: 1.031; benchmarks/bench_verl.py).
 """
 
 from __future__ import annotations
@@ -56,8 +58,10 @@ __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare
 
 INSTALL_HINT = ("pip install --no-deps verl==0.9.1 && pip install 'tensordict>=0.8,<=0.10' ray omegaconf "
                 "hydra-core codetiming")
-#: verl's ``calculate_workload``: FLOPs ∝ 24576·L + L² (hidden size 4096 baked in).
-VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0)
+#: verl's ``calculate_workload`` (FLOPs ∝ 24576·L + L², hidden size 4096 baked in), plus a fixed
+#: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
+#: micro-batch looks free and the K search would split steps for nothing.
+VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
 _SETTINGS: dict[str, Any] = {"cost": VERL_WORKLOAD, "short_step": "error"}
 _PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
 _NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
