@@ -11,7 +11,7 @@ import inspect
 import pytest
 import torch
 
-trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed; install it with: pip install trl")
+trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installed; install it with: pip install 'microplan[trl]'")
 
 import microplan as mp  # noqa: E402
 import microplan.integrations.trl as mpt  # noqa: E402

@@ -251,7 +251,7 @@ def test_a_rank_too_short_fails_every_rank_or_pads_explicitly():
 
 def test_install_patches_verl_and_uninstall_restores():
     pytest.importorskip("verl.workers.engine.utils", reason="verl's engine helpers need peft, accelerate and "
-                        f"datasets: {INSTALL_HINT} peft accelerate datasets")
+                        f"datasets (in the 'verl' extra): {INSTALL_HINT}")
     import verl.workers.engine.utils as eu
     from verl.utils import tensordict_utils as tu
     before = {n: getattr(vsb, n) for n in ("rearrange_micro_batches", "restore_dynamic_batch")}

@@ -56,8 +56,8 @@ __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare
            "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
            "VERL_LOSS_MODES", "install", "uninstall", "installed", "INSTALL_HINT"]
 
-INSTALL_HINT = ("pip install --no-deps verl==0.9.1 && pip install 'tensordict>=0.8,<=0.10' ray omegaconf "
-                "hydra-core codetiming")
+INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.9.1 (verl pins transformers < 5.11: "
+                "keep --no-deps so torch and transformers stay)")
 #: verl's ``calculate_workload`` (FLOPs ∝ 24576·L + L², hidden size 4096 baked in), plus a fixed
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
 #: micro-batch looks free and the K search would split steps for nothing.
