@@ -23,7 +23,7 @@ its inputs to the worker side differ: it shows the end-to-end effect. All rows a
 benchmarks/metrics.py with the benchmark's 7B cost: over-cap and empty
 micro-batches, equal counts, lockstep / LB (global lower bound) and lockstep / rank LB (the best
 any micro-batching can do on the given split). Run:
-``/work/venv-verl/bin/python -m benchmarks.bench_verl [--quick]``; writes
+``python -m benchmarks.bench_verl [--quick]`` where verl is installed; writes
 ``benchmarks/results/verl-<date>-<host>.json``.
 """
 
