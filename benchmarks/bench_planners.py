@@ -39,6 +39,7 @@ from microplan.traces import generate  # noqa: E402
 from benchmarks._results import save_json  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, dense_7b_forward_cost, from_microplan, step_metrics  # noqa: E402
 from benchmarks.peers import PEERS, PeerCrash, plan_verl  # noqa: E402
+from benchmarks.peers.verl import balance_batch  # noqa: E402
 
 
 #: family -> (max_len, per-GPU token cap, samples per prompt / rollouts per prompt)
@@ -67,6 +68,28 @@ def _microplan(sync: str) -> Runner:
     return run
 
 
+def verl_split_owners(seq_lens: np.ndarray, dp: int) -> np.ndarray:
+    """Owner rank of each sample after verl's driver split (KK equal_size on its workload, pads dropped)."""
+    parts, _, _ = balance_batch(np.asarray(seq_lens), dp)
+    own = np.empty(len(seq_lens), dtype=np.int64)
+    for r, part in enumerate(parts):
+        real = [i for i in part if i < len(seq_lens)]
+        own[real] = r
+    return own
+
+
+def _microplan_local(pin: str) -> Runner:
+    """Local placement: samples pinned to ranks by verl's driver split or by round robin (arrival order)."""
+    def run(batch, dp, cap, cost):
+        n = batch.num_samples
+        own = verl_split_owners(batch.seq_lens, dp) if pin == "verl-split" else np.arange(n) % dp
+        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, placement="local")
+        t = time.perf_counter()
+        p = mp.plan(batch.with_rank_of(own), cfg)
+        return from_microplan(p), time.perf_counter() - t
+    return run
+
+
 def _peer(fn) -> Runner:
     def run(batch, dp, cap, cost):
         lens = np.asarray(batch.seq_lens)
@@ -86,6 +109,10 @@ def _microplan_forward(batch, dp, cap, cost):
 PLANNERS: dict[str, tuple[Runner, str]] = {
     "microplan": (_microplan("micro"), f"microplan {mp.__version__} sync='micro'"),
     "microplan-step": (_microplan("step"), f"microplan {mp.__version__} sync='step'"),
+    "microplan-local": (_microplan_local("verl-split"),
+                        f"microplan {mp.__version__} placement='local', samples pinned by verl's driver split"),
+    "microplan-local-rr": (_microplan_local("round-robin"),
+                           f"microplan {mp.__version__} placement='local', samples pinned round robin"),
     **{name: (_peer(fn), label) for name, (fn, label) in PEERS.items()},
     "microplan-forward": (_microplan_forward, f"microplan {mp.__version__} plan_forward (forward cap)"),
     "verl-forward": (_peer(plan_verl), "verl (2026-08) log-prob pass: rearrange_micro_batches at the forward cap"),
@@ -154,7 +181,8 @@ def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -
     for key, rs in group_rows(rows, keys).items():
         ok = [r for r in rs if r["crash"] is None]
         s = dict(zip(keys, key), cases=len(rs), crashes=len(rs) - len(ok))
-        for col in ("over_cap", "max_tokens_ratio", "empties", "lockstep_ratio", "step_sync_ratio", "ms"):
+        for col in ("over_cap", "max_tokens_ratio", "empties", "lockstep_ratio", "step_sync_ratio",
+                    "lockstep_rank_ratio", "ms"):
             s[col] = _agg([r[col] for r in ok])
         s["k_excess"] = _agg([r["K"] - r["K_lb"] for r in ok])
         s["k_at_lb"] = float(np.mean([r["K"] == r["K_lb"] for r in ok])) if ok else float("nan")
@@ -178,6 +206,7 @@ COLUMNS = [("over-cap", 9, lambda s: _mw(s["over_cap"], ".0f")),
            ("K=Klb", 5, lambda s: f"{100 * s['k_at_lb']:.0f}%"),
            ("lockstep/LB", 13, lambda s: _mw(s["lockstep_ratio"], ".4f")),
            ("stepsync/LB", 13, lambda s: _mw(s["step_sync_ratio"], ".4f")),
+           ("lock/rankLB", 13, lambda s: _mw(s["lockstep_rank_ratio"], ".4f")),
            ("plan ms", 13, lambda s: _mw(s["ms"], ".1f")),
            ("crash", 5, lambda s: f"{s['crashes']}")]
 

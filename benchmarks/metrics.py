@@ -18,7 +18,11 @@ neither lost nor duplicated). Then, with cost(micro) = per_micro + Σ (linear·L
 - LB = max(Σ sample costs / dp + K_lb · per_micro, largest sample cost + per_micro),
   K_lb = ceil(tokens / (dp·cap)); ratios lockstep/LB and step-sync/LB. LB assumes the cap holds:
   a plan that breaks it with fewer than K_lb micro-batches per rank can score below 1;
-- K (max micro-batches on a rank) vs K_lb.
+- K (max micro-batches on a rank) vs K_lb;
+- rank LB = max over ranks r of (Σ costs of the samples the plan put on r + ⌈tokens_r / cap⌉ ·
+  per_micro, or the rank's largest sample + per_micro): the best any micro-batching can do with
+  the plan's own DP split. lockstep / rank LB isolates the micro-batch and slot arrangement from
+  the split (for local placement, the split is given: lockstep / LB shows the price of pinning).
 
 The benchmark cost model (:func:`dense_7b_cost`) is a ~7B dense decoder (Llama-2-7B shape):
 linear = 6·7e9 FLOPs/token (forward + backward of the weights), quadratic = 6·32·4096 FLOPs per
@@ -69,6 +73,7 @@ class StepMetrics:
     lockstep: float
     step_sync: float
     lb: float
+    rank_lb: float = 0.0
 
     @property
     def lockstep_ratio(self) -> float:
@@ -78,9 +83,14 @@ class StepMetrics:
     def step_sync_ratio(self) -> float:
         return self.step_sync / self.lb
 
+    @property
+    def lockstep_rank_ratio(self) -> float:
+        return self.lockstep / self.rank_lb if self.rank_lb > 0 else float("nan")
+
     def to_dict(self) -> dict:
         d = asdict(self)
-        d.update(lockstep_ratio=self.lockstep_ratio, step_sync_ratio=self.step_sync_ratio)
+        d.update(lockstep_ratio=self.lockstep_ratio, step_sync_ratio=self.step_sync_ratio,
+                 lockstep_rank_ratio=self.lockstep_rank_ratio)
         return d
 
 
@@ -132,11 +142,25 @@ def step_metrics(plan: PeerPlan, seq_lens: np.ndarray, *, dp: int, cap: int, cos
     lb = max(float(sample_cost.sum()) / dp + k_lb * cost.per_micro,
              float(sample_cost.max(initial=0.0)) + cost.per_micro)
     return StepMetrics(
+        rank_lb=_rank_lower_bound(plan, lens, sample_cost, cap, cost.per_micro),
         over_cap=over, max_tokens_ratio=max_ratio, equal_counts=len(counts) == 1,
         empties=sum(1 for _, k in micro if k == 0), lost=lost, duplicated=dup, pad_rows=pads,
         K=max(counts, default=0), K_lb=k_lb,
         lockstep=float(grid.max(axis=0).sum()) if grid.size else 0.0,
         step_sync=float(grid.sum(axis=1).max()) if grid.size else 0.0, lb=lb)
+
+
+def _rank_lower_bound(plan: PeerPlan, lens: np.ndarray, sample_cost: np.ndarray, cap: int, per_micro: float) -> float:
+    """max_r of the best lockstep time rank r alone could reach with the samples the plan gave it."""
+    best = 0.0
+    for row in plan:
+        parts = [_real(idx) for idx in row]
+        idx = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        if not idx.size:
+            continue
+        k = max(1, -(-int(lens[idx].sum()) // cap))
+        best = max(best, float(sample_cost[idx].sum()) + k * per_micro, float(sample_cost[idx].max()) + per_micro)
+    return best
 
 
 def from_microplan(plan, step: int = 0) -> PeerPlan:

@@ -175,6 +175,8 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                     assert tokens <= micro.cp_size * cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap"
                 else:
                     assert len(idx) <= cfg.micro_batch_size
+                if cfg.placement == "local":  # pinned: a sample runs only on the rank that holds it
+                    assert all(int(plan.batch.rank_of[i]) == r for i in idx), f"step {s} rank {r}: a sample moved"
                 for i in idx:
                     count[i] += 1
                     step_of[i] = s

@@ -32,6 +32,7 @@ _FIX = {
     "prompt_lens": "pass each sample's prompt token count as an int from 0 to its seq_lens.",
     "vision_tokens": "pass each sample's vision-encoder patches (0 for a text-only sample) as an int >= 0.",
     "num_images": "pass each sample's image/video-clip count (0 for a text-only sample) as an int >= 0.",
+    "rank_of": "pass the data-parallel rank (an int >= 0) that holds each sample, or leave rank_of out.",
 }
 
 
@@ -105,6 +106,9 @@ class Batch:
             trees (a GRPO group's prompt, the turns of an append-only trajectory, branching
             agent rollouts); ``PlanConfig(share_prefixes=True)`` packs each shared token once.
             :func:`microplan.find_shared_prefixes` builds the pair from token ids.
+        rank_of: the data-parallel rank that already holds each sample (ints >= 0), for
+            ``PlanConfig(placement="local")``: such a plan never moves a sample off its rank.
+            Ignored by global placement. Default None (no owner known).
 
     Attributes:
         prompt_codes / rollout_codes: int64 dense codes (0, 1, ...) in order of first appearance.
@@ -112,7 +116,7 @@ class Batch:
     """
 
     __slots__ = ("seq_lens", "loss_tokens", "prompt_lens", "prompt_codes", "rollout_codes",
-                 "prompt_ids", "rollout_ids", "vision_tokens", "num_images", "prefix_parent", "shared_prefix_lens")
+                 "prompt_ids", "rollout_ids", "vision_tokens", "num_images", "prefix_parent", "shared_prefix_lens", "rank_of")
 
     def __init__(self, seq_lens: Sequence[int] | np.ndarray, *,
                  loss_tokens: Sequence[int] | np.ndarray | None = None,
@@ -122,7 +126,9 @@ class Batch:
                  vision_tokens: Sequence[int] | np.ndarray | None = None,
                  num_images: Sequence[int] | np.ndarray | None = None,
                  prefix_parent: Sequence[int] | np.ndarray | None = None,
-                 shared_prefix_lens: Sequence[int] | np.ndarray | None = None) -> None:
+                 shared_prefix_lens: Sequence[int] | np.ndarray | None = None,
+
+                 rank_of: Sequence[int] | np.ndarray | None = None) -> None:
         lens = _ints("seq_lens", seq_lens, minimum=1)
         n = lens.size
         plens = None
@@ -168,6 +174,15 @@ class Batch:
         self.rollout_ids = rids
         self.vision_tokens, self.num_images = _vision(vision_tokens, num_images, n)
         self.prefix_parent, self.shared_prefix_lens = _prefixes(prefix_parent, shared_prefix_lens, lens)
+        self.rank_of = _owners(rank_of, n)
+
+    def with_rank_of(self, rank_of: Sequence[int] | np.ndarray | None) -> Batch:
+        """This batch with each sample's owner rank set (or cleared with None); nothing else re-checked."""
+        out = object.__new__(Batch)
+        for name in Batch.__slots__:
+            object.__setattr__(out, name, getattr(self, name))
+        out.rank_of = _owners(rank_of, self.num_samples)
+        return out
 
     # -- derived sizes -------------------------------------------------------------------
     @property
@@ -212,7 +227,9 @@ class Batch:
                 and _opt_equal(self.vision_tokens, other.vision_tokens)
                 and _opt_equal(self.num_images, other.num_images)
                 and _opt_equal(self.prefix_parent, other.prefix_parent)
-                and _opt_equal(self.shared_prefix_lens, other.shared_prefix_lens))
+                and _opt_equal(self.shared_prefix_lens, other.shared_prefix_lens)
+
+                and _opt_equal(self.rank_of, other.rank_of))
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -222,7 +239,11 @@ class Batch:
 
     # -- serialisation -------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch."""
+        """A JSON-ready dict that :meth:`from_dict` turns back into an equal Batch.
+
+        ``rank_of`` appears only when set, so a batch without owners serialises (and fingerprints)
+        exactly as before owners existed.
+        """
         d = {
             "seq_lens": self.seq_lens.tolist(),
             "loss_tokens": self.loss_tokens.tolist(),
@@ -236,6 +257,8 @@ class Batch:
         if self.vision_tokens is not None:  # only when present: older readers see the same keys
             d["vision_tokens"] = self.vision_tokens.tolist()
             d["num_images"] = self.num_images.tolist()  # type: ignore[union-attr]
+        if self.rank_of is not None:
+            d["rank_of"] = self.rank_of.tolist()
         return d
 
     def fingerprint(self) -> str:
@@ -250,7 +273,7 @@ class Batch:
                    prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
                    rollout_ids=d.get("rollout_ids"), vision_tokens=d.get("vision_tokens"),
                    num_images=d.get("num_images"), prefix_parent=d.get("prefix_parent"),
-                   shared_prefix_lens=d.get("shared_prefix_lens"))
+                   shared_prefix_lens=d.get("shared_prefix_lens"), rank_of=d.get("rank_of"))
 
 
 def _vision(vision_tokens: Any, num_images: Any, n: int) -> tuple[np.ndarray | None, np.ndarray | None]:
@@ -313,6 +336,14 @@ def _prefixes(parent: Any, shared: Any, lens: np.ndarray) -> tuple[np.ndarray | 
     for a in (p, s):
         a.setflags(write=False)
     return p, s
+
+
+def _owners(rank_of: Any, n: int) -> np.ndarray | None:
+    if rank_of is None:
+        return None
+    arr = _ints("rank_of", rank_of, minimum=0)
+    _same_length("rank_of", arr, n)
+    return arr
 
 
 def _same_length(name: str, arr: np.ndarray, n: int) -> None:

@@ -59,6 +59,7 @@ LossMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-to
                    "seq-mean-token-sum-norm", "prompt-mean", "rollout-mean"]
 ShortStep = Literal["pad", "drop", "error"]
 Sync = Literal["micro", "step"]
+Placement = Literal["global", "local"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -235,6 +236,12 @@ class PlanConfig:
             micro-batch may hold; None: no vision cap.
         vision_cost: the cost of vision patches (:class:`VisionCost`); None: a patch costs like
             an LLM token of the cost model (``linear``/``quadratic`` within each image).
+        placement: ``"global"`` (default): the planner chooses every sample's rank, so the data
+            must be (re)distributed to follow the plan. ``"local"``: every sample stays on the
+            rank that already holds it (``Batch(..., rank_of=...)``, which ``plan_distributed``
+            fills from the gathering rank); the plan still gives every rank the same K, the token
+            cap, lockstep-balanced slots and exact loss scales (docs/planner.md, "Local
+            placement"). Not with dynamic context parallel.
     """
 
     dp_size: int
@@ -257,6 +264,7 @@ class PlanConfig:
     pad_row_to_multiple_of: int = 1
     max_vision_tokens_per_micro: int | None = None
     vision_cost: VisionCost | None = None
+    placement: Placement = "global"
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
@@ -319,6 +327,14 @@ class PlanConfig:
         if self.share_prefixes and self.context_parallel is not None:
             raise PlanError("PlanConfig.share_prefixes=True with context_parallel is not supported yet: a prefix tree "
                             "is not split over a CP group. Drop context_parallel, or plan without sharing.")
+        if self.placement not in ("global", "local"):
+            raise PlanError(f"PlanConfig.placement={self.placement!r} must be 'global' (the plan chooses each "
+                            "sample's rank) or 'local' (samples stay on the rank that holds them: pass "
+                            "Batch(..., rank_of=...)).")
+        if self.placement == "local" and cp is not None and cp.dynamic:
+            raise PlanError("PlanConfig.placement='local' cannot be combined with dynamic context parallel "
+                            "(ContextParallel(max_size=...)): dynamic CP groups span DP ranks, so samples would "
+                            "move. Use placement='global', or a fixed ContextParallel(size=c).")
         _check_layout(self, set_)
         self._check_pipeline()
 
@@ -366,6 +382,7 @@ class PlanConfig:
             **({"share_prefixes": True} if self.share_prefixes else {}),
             "pipeline_stages": self.pipeline_stages, "virtual_stages": self.virtual_stages,
             **_layout_dict(self),
+            **({"placement": self.placement} if self.placement != "global" else {}),
         }
 
     @classmethod
@@ -378,7 +395,7 @@ class PlanConfig:
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
                    seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)),
                    pipeline_stages=d.get("pipeline_stages", 1), virtual_stages=d.get("virtual_stages", 1),
-                   **_layout_from_dict(d))
+                   placement=d.get("placement", "global"), **_layout_from_dict(d))
 
 
 # -- layouts, padding rules and vision tokens (issue 11; footprint.py) ------------------------------

@@ -26,6 +26,7 @@ from .stages.assign import arrange
 from .stages.cp import plan_dynamic_cp_step
 from .stages.fit import fit_step
 from .stages.layout import step_layout
+from .stages.local import plan_local_step
 from .stages.micros import binned_micros
 from .stages.share import plan_shared_step
 from .stages.pipeline import order_step
@@ -33,11 +34,21 @@ from .stages.steps import split_steps
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step
 
-__all__ = ["plan"]
+__all__ = ["plan", "build_plan"]
 
 
 def plan(batch: Batch, config: PlanConfig) -> Plan:
     """Plan the layout of ``batch`` under ``config`` (binding API). Raises PlanError on bad input."""
+    return build_plan(batch, config)
+
+
+def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None = None) -> Plan:
+    """:func:`plan` with a minimum micro-batch count per rank and step (local placement only).
+
+    ``min_micro_count`` defaults to ``config.pipeline_stages`` where the config has that field
+    (K ≥ p), else 1. Integrations whose framework asks for a minimum count (verl's
+    ``min_num_micro_batch``) pass it here.
+    """
     if not isinstance(batch, Batch):
         raise PlanError(f"plan() takes a microplan.Batch, got {type(batch).__name__}; wrap lengths as Batch(seq_lens).")
     if not isinstance(config, PlanConfig):
@@ -48,6 +59,17 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
         check_fits(fp, config)  # shared plans refuse a sample over the cap in stages/share.py
     step_planner = plan_shared_step if config.share_prefixes else \
         plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
+    if config.placement == "local":
+        if config.share_prefixes or micro_footprint(fp) is not None:
+            raise PlanError("PlanConfig(placement='local') plans plain varlen rows for now: share_prefixes, padded "
+                            "layouts, padding multiples and vision tokens are not supported with it yet; use "
+                            "placement='global' for those.")
+        min_k = _min_count(config, min_micro_count)
+        _check_owners(batch, config)
+        step_planner = lambda *a: plan_local_step(*a, min_micro_count=min_k)  # noqa: E731
+    elif min_micro_count is not None and min_micro_count > 1:
+        raise PlanError(f"min_micro_count={min_micro_count} is applied by placement='local' only; plan with "
+                        "PlanConfig(placement='local', ...), or PlanConfig(pipeline_stages=...) for a global plan.")
     split = split_steps(batch, config.steps)
     assert config.cost is not None
     costs = fp.sample_costs(config.cost)
@@ -84,3 +106,21 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
            f"= {D} × {cfg.align} micro-batches")
     return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
 
+
+def _min_count(config: PlanConfig, given: int | None) -> int:
+    """The minimum K hook: the explicit value, else ``config.pipeline_stages`` when the config has it."""
+    value = given if given is not None else getattr(config, "pipeline_stages", 1)
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise PlanError(f"min_micro_count={value!r} must be an int >= 1 (micro-batches per rank per step).")
+    return int(value)
+
+
+def _check_owners(batch: Batch, config: PlanConfig) -> None:
+    if batch.rank_of is None:
+        raise PlanError("PlanConfig(placement='local') keeps every sample on the rank that holds it, but the batch "
+                        "has no owners: pass Batch(..., rank_of=<rank of each sample>) or plan with "
+                        "microplan.torch.plan_distributed, which fills them from the gathering ranks.")
+    if batch.num_samples and int(batch.rank_of.max()) >= config.dp_size:
+        i = int(np.argmax(batch.rank_of))
+        raise PlanError(f"rank_of[{i}]={int(batch.rank_of[i])} is not a rank of dp_size={config.dp_size}; owner "
+                        f"ranks must be 0..{config.dp_size - 1}.")

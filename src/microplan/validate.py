@@ -2,9 +2,9 @@
 
 Checks, in order (the first violation raises PlanError naming step, rank and micro-batch):
 shape (dp_size rows, equal K per rank, K a multiple of align), micro-batch contents (arrays
-aligned and matching the batch, placeholders empty), the token cap counting padding (the
-footprint of the config's layout, re-derived here, not read from the Micro) and the vision cap /
-micro_batch_size, CP
+aligned and matching the batch, placeholders empty; under placement="local" every sample on its
+``rank_of``), the token cap counting padding (the footprint of the config's layout, re-derived
+here, not read from the Micro) and the vision cap / micro_batch_size, CP
 groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
 exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
 groups, and the loss scales (recomputed from the loss contract; all 0 in a forward plan), and
@@ -76,6 +76,14 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
         _fail(f"{where}: {k} samples exceed micro_batch_size={cfg.micro_batch_size}")
 
 
+def _check_pinned(rank_of: np.ndarray, s: int, r: int, m: int, micro: Micro) -> None:
+    away = rank_of[micro.indices] != r
+    if away.any():
+        i = int(micro.indices[away][0])
+        _fail(f"step {s}, rank {r}, micro {m}: sample {i} is pinned to rank {int(rank_of[i])} (placement='local') "
+              f"but runs on rank {r}")
+
+
 def _check_cp_groups(step: Step, s: int) -> None:
     for r, row in enumerate(step.micros):
         for m, micro in enumerate(row):
@@ -97,6 +105,8 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
         fp = footprint_of(b, cfg)
     except PlanError as exc:
         raise PlanError(f"invalid plan: {exc}") from None
+    if cfg.placement == "local" and b.rank_of is None:
+        _fail("placement='local' but the batch has no rank_of (the rank that holds each sample)")
     for s, step in enumerate(steps):
         if step.index != s:
             _fail(f"step {s} carries index {step.index}")
@@ -113,6 +123,8 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
         for r, row in enumerate(step.micros):
             for m, micro in enumerate(row):
                 _check_micro(b, cfg, s, r, m, micro, fp)
+                if cfg.placement == "local":
+                    _check_pinned(b.rank_of, s, r, m, micro)  # type: ignore[arg-type]
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
             _check_cp_groups(step, s)
         seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]

@@ -28,19 +28,20 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import PlanConfig
-from ..cost.models import bin_costs, is_additive
+from ..cost.models import CostModel, bin_costs, is_additive
 from ..errors import PlanError
 from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange
-from .kchoice import MAX_EVALS, KChoice, packed_slope, step_time, time_lower_bounds
+from .kchoice import KChoice, choose_k, packed_slope, step_time, time_lower_bounds
 from .layout import StepLayout
 from .lockstep import refine_lockstep
 from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .padded import pack_padded
 from .refine import refine_bins
 
-__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "min_micro_count"]
+__all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "fill_targets", "min_micro_count", "pack_at",
+           "check_cap", "adjusted_slope", "round_up", "cdiv"]
 
 FFD_MAX_SAMPLES = 4096  # first-fit-decreasing fallback is O(n·m) numpy: only for steps up to this size
 
@@ -63,17 +64,17 @@ class _Packing(NamedTuple):
     choice: KChoice | None
 
 
-def _cdiv(x, d):  # ceil division for ints and int arrays
+def cdiv(x, d):  # ceil division for ints and int arrays
     return -(-x // d)
 
 
-def _round_up(x, a):
-    return _cdiv(x, a) * a
+def round_up(x, a):
+    return cdiv(x, a) * a
 
 
 def min_micro_count(x, cfg: PlanConfig):
     """The fewest micro-batches per rank allowed for a need of ``x``: >= pipeline_stages, aligned."""
-    return _round_up(np.maximum(x, cfg.pipeline_stages), cfg.align)
+    return round_up(np.maximum(x, cfg.pipeline_stages), cfg.align)
 
 
 def effective_cap(cfg: PlanConfig) -> int | None:
@@ -92,108 +93,26 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
     extra = None if layout is None else layout.extra
     D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
-        K = int(min_micro_count(_cdiv(_cdiv(n, cfg.micro_batch_size), D), cfg))
+        K = int(min_micro_count(cdiv(cdiv(n, cfg.micro_batch_size), D), cfg))
         m = min(n, D * K)
         return _Packing(round_robin_pack(costs, m), m, K, None)
     cap = effective_cap(cfg)
     assert cap is not None and cfg.cost is not None
-    K0 = int(min_micro_count(_cdiv(bins_lower_bound(lens, cap, extra), D), cfg))
+    K0 = int(min_micro_count(cdiv(bins_lower_bound(lens, cap, extra), D), cfg))
     k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
-    if is_additive(cfg.cost) or k_hi <= K0:
-        return _grow(lens, costs, cfg, K0, K0, [], extra)
-    return _search(lens, costs, cfg, K0, k_hi, extra)
+    cp, cost = cfg.static_cp_size, cfg.cost
+    K, bin_of, choice = choose_k(
+        K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync, probe="slack",
+        lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
+                                                  cost=cost, cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro"),
+        pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra),  # m == n: one sample per bin
+        time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
+    return _Packing(bin_of, min(n, D * K), K, choice)
 
 
 def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> float:
     return step_time(bin_of, m, cfg.dp_size, K, lens, costs, cfg.cost, cfg.sync,  # type: ignore[arg-type]
                      width=cfg.static_cp_size)
-
-
-def _grow(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int, K0: int,
-          tried: list[tuple[int, float]], extra: Extra | None = None) -> _Packing:
-    """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
-    D, n = cfg.dp_size, lens.size
-    while True:
-        m = min(n, D * K)
-        bin_of = _pack_at(lens, costs, m, D, K, cfg, extra)
-        if bin_of is not None:
-            break
-        tried.append((K, float("inf")))
-        K += cfg.align  # m == n always packs (one sample per bin), so this terminates
-    t = _time(bin_of, m, K, lens, costs, cfg)
-    tried.append((K, t))
-    if K == K0:
-        why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
-               "micro-batches only add per-micro cost")
-    else:
-        why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
-    nxt = K + cfg.align
-    if D * nxt <= n and t > _bound(lens, costs, cfg, K) * (1 + _SLACK):
-        # a cap-tight K leaves no room to balance; one more micro-batch per rank may be faster
-        alt = _pack_at(lens, costs, D * nxt, D, nxt, cfg, extra)
-        t2 = float("inf") if alt is None else _time(alt, D * nxt, nxt, lens, costs, cfg)
-        tried.append((nxt, t2))
-        if t2 < t * (1 - 1e-9):
-            why = (f"K={nxt}: predicted {t2:.4g} vs {t:.4g} at K={K} — packing to the fewest micro-batches left "
-                   "the cap too tight to balance, and the extra per-micro cost is smaller than the gain")
-            return _Packing(alt, D * nxt, nxt, KChoice(nxt, K0, tuple(tried), why))  # type: ignore[arg-type]
-    return _Packing(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
-
-
-_SLACK = 2e-3  # try K + align when the packed plan is this far above its lower bound
-
-
-def _bound(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K: int) -> float:
-    cp = cfg.static_cp_size
-    return float(time_lower_bounds(costs, lens, np.array([K]), bins_per_k=cfg.dp_size, gpus=cfg.dp_size * cp,
-                                   max_width=cp, cost=cfg.cost, cap=cfg.max_tokens_per_micro,  # type: ignore[arg-type]
-                                   lockstep=cfg.sync == "micro")[0])
-
-
-def _search(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, K0: int, k_hi: int,
-            extra: Extra | None = None) -> _Packing:
-    """Search K around argmin LB(K) and K_lb by the packed plans' predicted times (packed-row costs).
-
-    A pattern search over aligned K: from the better of K_lb and argmin LB(K), try ±step, double the
-    step after every improvement, halve it when neither side improves; at most MAX_EVALS packings.
-    """
-    D, a, cap = cfg.dp_size, cfg.align, effective_cap(cfg)
-    cp = cfg.static_cp_size
-    Ks = np.arange(K0, k_hi + 1, a)
-    lb = time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cfg.cost)  # type: ignore[arg-type]
-    start = int(Ks[int(np.argmin(lb))])  # where the bound is lowest; K0 is tried too
-    done: dict[int, tuple[float, np.ndarray | None]] = {}
-    order: list[int] = []
-
-    def evaluate(K: int) -> float:
-        bin_of = _pack_at(lens, costs, D * K, D, K, cfg, extra)
-        t = float("inf") if bin_of is None else _time(bin_of, D * K, K, lens, costs, cfg)
-        done[K] = (t, bin_of)
-        order.append(K)
-        return t
-
-    evaluate(K0)  # the fewest micro-batches: best when the packed term is small
-    if start != K0:
-        evaluate(start)
-    best = min(done, key=lambda k: (done[k][0], k))
-    step = a
-    while len(done) < MAX_EVALS and step >= a:  # pattern search: double the step while it improves
-        moved = False
-        for K in (best + step, best - step):
-            if K0 <= K <= k_hi and K not in done and len(done) < MAX_EVALS and evaluate(K) < done[best][0]:
-                best, moved = K, True
-                break
-        step = 2 * step if moved else (step // 2) // a * a
-    best_t = done[best][0]
-    if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
-        return _grow(lens, costs, cfg, max(done) + a, K0, [(k, done[k][0]) for k in order], extra)
-    K = min(k for k in done if done[k][0] == best_t)
-    cands = tuple((k, done[k][0]) for k in order)
-    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
-    why = (f"K={K} has the lowest predicted {'lockstep' if cfg.sync == 'micro' else 'step-sync'} time of the "
-           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
-           f"(lower bound K={K0})")
-    return _Packing(done[K][1], D * K, K, KChoice(K, K0, cands, why))  # type: ignore[arg-type]
 
 
 def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
@@ -206,10 +125,15 @@ def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
     takes work away from later slots instead of leaving GPUs idle.
     """
     desc = np.sort(costs)[::-1]
-    left, out = float(costs.sum()), np.empty(K)
+    lead = np.array([float(desc[m * D]) if m * D < desc.size else 0.0 for m in range(K)])
+    return fill_targets(lead, float(costs.sum()), D, K)
+
+
+def fill_targets(lead: np.ndarray, total: float, D: int, K: int) -> np.ndarray:
+    """Water-fill ``total`` cost over K slots of D micro-batches, slot m at least ``lead[m]`` (descending)."""
+    left, out = total, np.empty(K)
     for m in range(K):
-        lead = float(desc[m * D]) if m * D < desc.size else 0.0
-        out[m] = max(left / (D * (K - m)), lead)
+        out[m] = max(left / (D * (K - m)), float(lead[m]))
         left = max(left - D * out[m], 0.0)
     return out
 
@@ -246,12 +170,34 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     return refine_lockstep(bin_of, arrange(mc, D, K), lens, costs, cost, cap, extra=extra)
 
 
+def adjusted_slope(cost: CostModel, lens: np.ndarray, m: int) -> float:
+    """g'(T̄) at the mean row length of m bins: the per-token cost the packer adds (0 if additive)."""
+    return packed_slope(cost, float(lens.sum()) / m) if m and not is_additive(cost) else 0.0
+
+
+def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int, cost: CostModel, *,
+            targets: np.ndarray | None = None) -> np.ndarray | None:
+    """A packing into m bins under the cap at K per rank, balanced on first-order costs (see
+    ``_pack_at``), toward ``targets`` (per-slot cost targets, length K, in those first-order units)
+    instead of this step's own :func:`slot_targets` — local placement passes targets shared by
+    every rank. No lockstep refinement: the caller arranges the bins. None if none was found."""
+    bal = costs + adjusted_slope(cost, lens, m) * lens
+    bin_of = _pack_slots(lens, bal, m, D, K, cap, None, targets)
+    if bin_of is None and lens.size <= FFD_MAX_SAMPLES:
+        bin_of = first_fit_decreasing(lens, m, cap)
+        if bin_of is None and lens.size <= EXACT_MAX_SAMPLES:
+            bin_of = exact_pack(lens, m, cap)
+        if bin_of is not None:
+            bin_of = refine_bins(bin_of, lens, bal, m, cap)
+    return bin_of
+
+
 def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
-                extra: Extra | None = None) -> np.ndarray | None:
+                extra: Extra | None = None, targets: np.ndarray | None = None) -> np.ndarray | None:
     """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
     bin_of = None
     if m == D * K and K > 1:
-        offset = np.repeat(slot_targets(costs, D, K), D)
+        offset = np.repeat(slot_targets(costs, D, K) if targets is None else targets, D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
         bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load, extra=extra)
         if bin_of is not None and np.bincount(bin_of, minlength=m).min() == 0:
@@ -262,7 +208,8 @@ def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap
     return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap, extra=extra)
 
 
-def _check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
+def check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> None:
+    """PlanError naming the longest sample when it fits no micro-batch (cap × static CP degree)."""
     cap = effective_cap(cfg)
     if cap is None or lens.size == 0 or lens.max() <= cap:
         return
@@ -278,7 +225,7 @@ def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray
              rollouts: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> StepFit:
     """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes;
     ``layout``: the step's view of a non-plain footprint, see ``stages/layout.py``)."""
-    _check_cap(lens, samples, cfg)
+    check_cap(lens, samples, cfg)
     bin_of, m, K, choice = _pack(lens, costs, cfg, layout)
     all_pos = np.arange(lens.size, dtype=np.int64)
     none = np.zeros(0, dtype=np.int64)
@@ -300,14 +247,14 @@ def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.
     n_r = np.bincount(inverse, minlength=R)
     kept_n = np.cumsum(n_r)
     if cfg.micro_batch_size is not None:
-        m_lb = _cdiv(kept_n, cfg.micro_batch_size)
+        m_lb = cdiv(kept_n, cfg.micro_batch_size)
     else:
         cap = effective_cap(cfg)
         assert cap is not None
         tok = np.cumsum(np.bincount(inverse, weights=lens, minlength=R))
         big = np.cumsum(np.bincount(inverse, weights=2 * lens > cap, minlength=R))
         m_lb = np.maximum(np.maximum(np.ceil(tok / cap), big), 1).astype(np.int64)
-    K_lb = min_micro_count(_cdiv(m_lb, D), cfg)
+    K_lb = min_micro_count(cdiv(m_lb, D), cfg)
     for keep in range(R - 1, 0, -1):  # keep = number of rollouts kept
         n_keep = int(kept_n[keep - 1])
         if n_keep < D * a:

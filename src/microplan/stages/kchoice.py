@@ -26,13 +26,17 @@ bound for every plan the config allows. Cost: O(n) per LB scan, one packing per 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, Literal
+
 import numpy as np
 
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
 from .assign import arrange
 
-__all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS"]
+__all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
+           "choose_k", "SLACK"]
 
 MAX_EVALS = 12  # packings tried per step when the cost has a packed-row term
 
@@ -138,3 +142,113 @@ def best_lower_bound(costs: np.ndarray, lens: np.ndarray, K_lb: int, *, bins_per
         Ks = np.arange(K_lb, top + 1)
     return float(time_lower_bounds(costs, lens, Ks, bins_per_k=bins_per_k, gpus=gpus, max_width=max_width,
                                    cost=cost, cap=cap, lockstep=lockstep, single=single).min())
+
+
+Packer = Callable[[int], Any]            # K -> a packing at K, or None when none was found
+Timer = Callable[[int, Any], float]      # (K, packing) -> predicted step time
+Probe = Literal["none", "slack", "walk"]
+
+SLACK = 2e-3  # probe="slack": try K + align when the packed plan is this far above its lower bound
+
+
+def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Callable[[np.ndarray], np.ndarray],
+             pack: Packer, time: Timer, sync: str, probe: Probe = "slack") -> tuple[int, Any, KChoice]:
+    """The K of lowest predicted time and its packing (see the module note), for any packer.
+
+    ``K0``: the aligned lower bound; ``k_hi``: the largest aligned K that needs no placeholder.
+    Additive costs (or ``k_hi <= K0``): the smallest K >= K0 that packs, then ``probe``:
+    ``"slack"`` tries one more micro-batch per rank when the packed time is more than ``SLACK``
+    above its lower bound (a cap-tight K leaves no room to balance); ``"walk"`` keeps trying
+    larger K while the next K's lower bound is below the best time and the time improves (local
+    placement: a pinned rank whose micro-batches are all nearly full). A packed-row term: a
+    pattern search over aligned K from the better of K0 and argmin ``lower_bounds`` (±step,
+    doubled after an improvement, halved otherwise; ``MAX_EVALS`` packings at most); when nothing
+    in range packs, grow past it. The global planner (``fit.py``) and local placement
+    (``local.py``) differ only in ``pack``, ``time`` and ``probe``.
+    """
+    if additive or k_hi <= K0:
+        K, got, choice = _grow(K0, K0, align, pack, time, [])
+        if probe == "none" or K + align > k_hi:
+            return K, got, choice
+        return _probe_above(K, got, choice, k_hi, align, lower_bounds, pack, time, sync, walk=probe == "walk")
+    Ks = np.arange(K0, k_hi + 1, align)
+    start = int(Ks[int(np.argmin(lower_bounds(Ks)))])  # where the bound is lowest; K0 is tried too
+    done: dict[int, tuple[float, Any]] = {}
+    order: list[int] = []
+
+    def evaluate(K: int) -> float:
+        got = pack(K)
+        t = float("inf") if got is None else time(K, got)
+        done[K] = (t, got)
+        order.append(K)
+        return t
+
+    evaluate(K0)  # the fewest micro-batches: best when the packed term is small
+    if start != K0:
+        evaluate(start)
+    best = min(done, key=lambda k: (done[k][0], k))
+    step = align
+    while len(done) < MAX_EVALS and step >= align:  # pattern search: double the step while it improves
+        moved = False
+        for K in (best + step, best - step):
+            if K0 <= K <= k_hi and K not in done and len(done) < MAX_EVALS and evaluate(K) < done[best][0]:
+                best, moved = K, True
+                break
+        step = 2 * step if moved else (step // 2) // align * align
+    best_t = done[best][0]
+    if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
+        return _grow(max(done) + align, K0, align, pack, time, [(k, done[k][0]) for k in order])
+    K = min(k for k in done if done[k][0] == best_t)
+    cands = tuple((k, done[k][0]) for k in order)
+    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
+    why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the "
+           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower "
+           f"(lower bound K={K0})")
+    return K, done[K][1], KChoice(K, K0, cands, why)
+
+
+def _probe_above(K: int, got: Any, choice: KChoice, k_hi: int, align: int,
+                 lower_bounds: Callable[[np.ndarray], np.ndarray], pack: Packer, time: Timer,
+                 sync: str, *, walk: bool) -> tuple[int, Any, KChoice]:
+    """Try K above the fewest that packs while that can still be faster (see choose_k)."""
+    tried = list(choice.candidates)
+    best_K, best, best_t = K, got, tried[-1][1]
+    if not walk and not best_t > float(lower_bounds(np.array([K]))[0]) * (1 + SLACK):
+        return K, got, choice
+    k = K + align
+    while k <= k_hi and len(tried) < MAX_EVALS and (not walk or float(lower_bounds(np.array([k]))[0]) <
+                                                        best_t * (1 - 1e-12)):
+        cand = pack(k)
+        t = float("inf") if cand is None else time(k, cand)
+        tried.append((k, t))
+        if not t < best_t * (1 - 1e-9):
+            break
+        best_K, best, best_t = k, cand, t
+        if not walk:
+            break
+        k += align
+    if best_K == K:
+        return K, got, KChoice(K, choice.lower_bound, tuple(tried), choice.reason)
+    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(tried))
+    why = (f"K={best_K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K "
+           f"tried ({listing}): at fewer micro-batches the cap leaves too little room to balance, and the extra "
+           f"per-micro cost is smaller than the gain (lower bound K={choice.lower_bound})")
+    return best_K, best, KChoice(best_K, choice.lower_bound, tuple(tried), why)
+
+
+def _grow(K: int, K0: int, align: int, pack: Packer, time: Timer,
+          tried: list[tuple[int, float]]) -> tuple[int, Any, KChoice]:
+    """The smallest K >= the given one that packs (additive costs: the fastest K that fits)."""
+    while True:
+        got = pack(K)
+        if got is not None:
+            break
+        tried.append((K, float("inf")))
+        K += align  # the caller's packer succeeds once every sample has its own micro-batch
+    tried.append((K, time(K, got)))
+    if K == K0:
+        why = (f"K={K} is the lower bound ⌈bins/dp⌉ (aligned); the cost has no packed-row term, so more "
+               "micro-batches only add per-micro cost")
+    else:
+        why = f"K={K}: the fewest micro-batches per rank a packing under the cap was found for (lower bound {K0})"
+    return K, got, KChoice(K, K0, tuple(tried), why)

@@ -52,7 +52,7 @@ def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarra
 
 def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | None,
                 *, offset: np.ndarray | None = None, max_iters: int | None = None,
-                rel_tol: float = 1e-3, extra: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+                rel_tol: float = 1e-3, extra: tuple[np.ndarray, int] | None = None, moves: bool = True) -> np.ndarray:
     """Return an improved copy of ``bin_of`` (same bins, same cap, lower or equal max cost).
 
     ``offset`` (per bin) makes the search balance ``cost − offset`` instead, i.e. toward
@@ -61,6 +61,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     at most that much, when no exchange helps, after 32 iterations in which the heaviest bin did
     not drop by that much, or after ``max_iters`` (default min(2 · bins, 256)) iterations.
     ``extra``: a second per-sample resource and its per-bin cap, kept like the token cap.
+    ``moves=False``: swaps only, so every bin keeps its sample count (equal-size partitions).
     """
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
@@ -95,12 +96,12 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
         ih, il = np.array(mem(h)), np.array(mem(l))
         xroom = None if ex is None else (ex[ih], ex[il], int(ex_cap - xtok[h]), int(ex_cap - xtok[l]))  # type: ignore[index]
         got = _best_exchange(costs[ih], lens[ih], costs[il], lens[il], gap,
-                             int(big - tok[h]), int(big - tok[l]), ih.size > 1, xroom)
+                             int(big - tok[h]), int(big - tok[l]), moves and ih.size > 1, xroom)
         if got is None:
             break
         i, j, _ = got
-        moves = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
-        for smp, src, dst in moves:
+        exchange = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
+        for smp, src, dst in exchange:
             mem(src).remove(smp)
             mem(dst).append(smp)
             load[src] -= costs[smp]

@@ -23,7 +23,7 @@ from .. import __version__
 from ..config import PlanConfig
 from ..errors import PlanError
 from ..plan import Plan
-from ..planner import plan as make_plan
+from ..planner import build_plan
 from ._comm import all_gather_rows, comm_device, fail_together, group_info, ranks_phrase
 from .gather import LocalBatchLike, LocalView, local_view
 
@@ -49,7 +49,7 @@ def verify_agreement(plan: Plan, *, group: Any = None) -> str:
 
 
 def plan_distributed(local_batch: LocalBatchLike | LocalView, config: PlanConfig, *, group: Any = None,
-                     local_ids: bool = False) -> Plan:
+                     local_ids: bool = False, min_micro_count: int | None = None) -> Plan:
     """Gather, plan and verify in one call that fails on every rank or on none — never hangs.
 
     ``local_batch``: this rank's :class:`Batch`, a dict of Batch arguments or a callable
@@ -57,7 +57,10 @@ def plan_distributed(local_batch: LocalBatchLike | LocalView, config: PlanConfig
     or a :class:`LocalView` already gathered with :func:`local_view`. The group's ranks are the
     plan ranks: ``config.dp_size`` must equal the group size (static CP: pass the DP group;
     dynamic CP: the whole DP×CP plane). Planning errors on any rank — or plans that differ —
-    raise the same PlanError on every rank, naming the ranks and their messages.
+    raise the same PlanError on every rank, naming the ranks and their messages. With
+    ``config.placement == "local"`` every sample is pinned to the rank that passed it (the
+    gathered batch's ``rank_of``), so the plan needs no :func:`exchange_samples`;
+    ``min_micro_count`` is then its minimum K per rank (see ``microplan.planner.build_plan``).
     """
     view = local_batch if isinstance(local_batch, LocalView) else local_view(local_batch, group=group,
                                                                               local_ids=local_ids)
@@ -69,7 +72,8 @@ def plan_distributed(local_batch: LocalBatchLike | LocalView, config: PlanConfig
             raise PlanError(f"config.dp_size={config.dp_size} but the process group has {view.world_size} ranks; "
                             "plan ranks are group ranks: pass the data-parallel group (static CP: the DP group; "
                             "dynamic CP: the whole DP×CP plane) or fix dp_size.")
-        out = make_plan(view.batch, config)
+        batch = view.pinned() if config.placement == "local" else view.batch
+        out = build_plan(batch, config, min_micro_count=min_micro_count)
         digest = bytes.fromhex(out.fingerprint())
     except Exception as exc:
         err = exc

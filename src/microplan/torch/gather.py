@@ -88,16 +88,29 @@ class LocalView:
         """The rank whose local batch holds global sample(s) ``i``."""
         return np.searchsorted(self.offsets, i, side="right") - 1
 
+    @property
+    def owners(self) -> np.ndarray:
+        """int64 rank holding each global sample (rank order): ``Batch.rank_of`` for local placement."""
+        return np.repeat(np.arange(self.world_size, dtype=np.int64), self.counts)
 
-def gather_batch(local_batch: LocalBatchLike, *, group: Any = None, local_ids: bool = False) -> Batch:
+    def pinned(self) -> Batch:
+        """The global batch with every sample's owner rank set (``PlanConfig(placement="local")``)."""
+        return self.batch.with_rank_of(self.owners)
+
+
+def gather_batch(local_batch: LocalBatchLike, *, group: Any = None, local_ids: bool = False,
+                 owners: bool = False) -> Batch:
     """All-gather every rank's local batch into the global batch (binding API).
 
     ``local_batch`` is a :class:`Batch`, a dict of Batch keyword arguments (validated inside
     the guard, so a NaN length on one rank fails every rank), or a zero-argument callable
     returning a Batch. Result: rank order, then local order; identical on every rank. See the
-    module doc for ``local_ids``. Raises the same PlanError on every rank on any failure.
+    module doc for ``local_ids``. ``owners=True`` fills ``Batch.rank_of`` with the rank each
+    sample came from (for ``PlanConfig(placement="local")``); a local batch's own ``rank_of``
+    is not gathered. Raises the same PlanError on every rank on any failure.
     """
-    return local_view(local_batch, group=group, local_ids=local_ids).batch
+    view = local_view(local_batch, group=group, local_ids=local_ids)
+    return view.pinned() if owners else view.batch
 
 
 def local_view(local_batch: LocalBatchLike, *, group: Any = None, local_ids: bool = False) -> LocalView:

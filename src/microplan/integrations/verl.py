@@ -1,0 +1,274 @@
+"""microplan as verl's sequence balancer: the four functions of ``verl.utils.seqlen_balancing``.
+
+One switch, in every process that balances (the driver and each worker)::
+
+    import microplan.integrations.verl as mpv
+    mpv.install()       # patches verl's functions in place; mpv.uninstall() restores them
+    # with Ray: ray.init(runtime_env={"worker_process_setup_hook": "microplan.integrations.verl.install"})
+
+or import the drop-ins by name (same signatures and return types as verl 0.9.1)::
+
+    from microplan.integrations.verl import (get_seqlen_balanced_partitions, prepare_dynamic_batch,
+                                             rearrange_micro_batches, restore_dynamic_batch)
+
+Design note. verl balances in two places. The driver (``_balance_batch``) splits a batch over the
+DP ranks with ``get_seqlen_balanced_partitions(workloads, dp, equal_size=True)``; here that is one
+microplan plan with ``dp`` ranks (static batching of n/dp samples each when ``equal_size``, then
+count-preserving swaps from the refine stage; one token-balanced micro-batch per rank otherwise). Each worker then cuts its share into micro-batches
+with ``rearrange_micro_batches``: verl plans each rank alone and all-reduces the count with MAX;
+here the ranks of ``dp_group`` all-gather their lengths (``microplan.torch.plan_distributed``,
+which also checks the plan fingerprints) and make ONE plan with ``placement="local"``: the samples
+stay on the rank that holds them, every rank gets the same K — the fewest at which every rank
+packs under ``max_token_len`` — and the ranks' micro-batches are arranged into lockstep-balanced
+slots. ``num_batches_divided_by`` is ``align``, ``min_num_micro_batch`` the minimum K, and
+``force_group_size`` consecutive samples are one planning unit (they share a micro-batch, as in
+verl). When a rank holds fewer samples than the K another rank needs, verl 0.9.1 raises; so does
+the drop-in by default (the same :class:`~microplan.PlanError`, a ``ValueError``, on every
+rank), or ``install(short_step="pad")`` gives that rank explicit empty micro-batches (empty index
+lists; ``restore_dynamic_batch`` still restores the order).
+
+Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
+``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
+lists that are a permutation of the local batch. Balance uses verl's own workload model
+(24576·L + L², a 7B dense decoder, plus 256 tokens' worth per micro-batch) unless
+``install(cost=...)`` gives a calibrated one — which pays: on the benchmark families the lockstep
+time over the split's bound is 1.028 median with verl's model and 1.0025 with the model's own
+FLOPs (verl itself: 1.031; benchmarks/bench_verl.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .. import FlopsCost, PlanConfig, PlanError, TokenCost
+from ..batch import Batch
+from ..cost.models import CostModel
+from ..plan import Plan
+from ..planner import build_plan
+from ..stages.refine import refine_bins
+from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
+
+__all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
+           "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
+           "VERL_LOSS_MODES", "install", "uninstall", "installed", "INSTALL_HINT"]
+
+INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.9.1 (verl pins transformers < 5.11: "
+                "keep --no-deps so torch and transformers stay)")
+#: verl's ``calculate_workload`` (FLOPs ∝ 24576·L + L², hidden size 4096 baked in), plus a fixed
+#: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
+#: micro-batch looks free and the K search would split steps for nothing.
+VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
+_SETTINGS: dict[str, Any] = {"cost": VERL_WORKLOAD, "short_step": "error"}
+_PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
+_NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
+          "restore_dynamic_batch")
+
+
+class VerlLayout(NamedTuple):
+    """This rank's micro-batches from one worker-side plan.
+
+    Attributes:
+        index_lists: local sample indices of each micro-batch, in execution order (verl's
+            ``micro_bsz_idx``); an empty list is a placeholder (``short_step="pad"`` only).
+        plan: the plan over ``dp_group`` (``dp_size=1`` without a group); samples are planning
+            units (``force_group_size`` consecutive samples each), ranks in group order.
+        rank: this process's rank in the group (0 without a group).
+        offset: global index of this rank's first unit in ``plan.batch``.
+    """
+
+    index_lists: list[list[int]]
+    plan: Plan | None
+    rank: int
+    offset: int
+
+
+# -- driver side ---------------------------------------------------------------------------------
+
+def get_seqlen_balanced_partitions(seqlen_list: Sequence[int], k_partitions: int, equal_size: bool) -> list[list[int]]:
+    """verl's driver-side split: ``k_partitions`` non-empty lists of indices (each sorted), balanced.
+
+    ``seqlen_list`` holds any non-negative per-item weights (verl passes workloads, sometimes as
+    a tensor). ``equal_size``: every partition gets ``len / k`` items (the length must divide).
+    """
+    values = np.asarray(_as_list(seqlen_list), dtype=np.float64)
+    n, k = values.size, int(k_partitions)
+    if k < 1 or n < k:
+        raise PlanError(f"get_seqlen_balanced_partitions: {n} items cannot fill k_partitions={k} non-empty "
+                        "partitions; pass at least k items.")
+    if equal_size and n % k:
+        raise PlanError(f"get_seqlen_balanced_partitions: equal_size needs len(seqlen_list)={n} to be a multiple "
+                        f"of k_partitions={k}; pad the batch or pass equal_size=False.")
+    if not np.isfinite(values).all() or (values < 0).any() or (values != np.floor(values)).any():
+        raise PlanError("get_seqlen_balanced_partitions: seqlen_list must hold whole numbers >= 0 "
+                        "(sequence lengths or integer workloads).")
+    weights = np.maximum(values, 1).astype(np.int64)  # a zero-length item still takes a slot
+    size = dict(micro_batch_size=n // k) if equal_size else dict(max_tokens_per_micro=int(weights.sum()))
+    plan = build_plan(Batch(weights), PlanConfig(dp_size=k, cost=TokenCost(), **size))
+    bin_of = np.empty(n, dtype=np.int64)
+    for r, row in enumerate(plan.steps[0].micros):
+        for m in row:
+            bin_of[m.indices] = r
+    if equal_size:  # static batching deals rounds; swaps (counts unchanged) close the gap to the mean
+        w = weights.astype(np.float64)
+        bin_of = refine_bins(bin_of, weights, w, k, None, moves=False, rel_tol=1e-6, max_iters=8 * k)
+    return [np.flatnonzero(bin_of == r).tolist() for r in range(k)]
+
+
+# -- worker side ---------------------------------------------------------------------------------
+
+def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int, *, dp_group: Any = None,
+                       num_batches_divided_by: int | None = None, same_micro_num_in_dp: bool = True,
+                       min_num_micro_batch: int | None = None, use_dynamic_bsz_balance: bool = True,
+                       force_group_size: int = 1, cost: CostModel | None = None,
+                       short_step: str | None = None) -> VerlLayout:
+    """The plan behind :func:`rearrange_micro_batches`, from this rank's effective lengths alone.
+
+    Collective over ``dp_group`` when ``torch.distributed`` is initialised, ``same_micro_num_in_dp``
+    and a group is given (as in verl); every rank of the group must call it.
+    """
+    lens = np.asarray(_as_list(seq_lens), dtype=np.int64)
+    g = int(force_group_size)
+    if g < 1 or lens.size % g:
+        raise PlanError(f"batch size {lens.size} must be divisible by force_group_size {g}.")
+    units = lens.reshape(-1, g).sum(axis=1) if lens.size else lens
+    short = short_step if short_step is not None else _SETTINGS["short_step"]
+    if short not in ("error", "pad"):
+        raise PlanError(f"short_step={short!r}: the verl drop-in supports 'error' (verl 0.9.1's behaviour: refuse) "
+                        "or 'pad' (explicit empty micro-batches); 'drop' would lose samples verl restores.")
+    config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
+                  short_step=short, cost=cost if cost is not None else _SETTINGS["cost"], placement="local")
+    units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
+    if _synced(dp_group, same_micro_num_in_dp):
+        from ..torch.distributed import local_view, plan_distributed
+        view = local_view({"seq_lens": units_min1}, group=dp_group)
+        plan = plan_distributed(view, PlanConfig(dp_size=view.world_size, **config), group=dp_group,
+                                min_micro_count=min_num_micro_batch)
+        rank, offset = view.rank, view.offset
+    else:
+        plan = build_plan(Batch(units_min1, rank_of=np.zeros(units.size, dtype=np.int64)),
+                          PlanConfig(dp_size=1, **config), min_micro_count=min_num_micro_batch)
+        rank, offset = 0, 0
+    if not plan.steps:
+        return VerlLayout([], plan, rank, offset)
+    micros = list(plan.steps[0].micros[rank])
+    slots = list(range(len(micros)))  # heaviest first, identical slot order on every rank
+    if use_dynamic_bsz_balance:  # verl's pipeline order: light micro-batches at both ends
+        slots = slots[::2][::-1] + slots[1::2]
+    lists = [sorted(int(u - offset) * g + j for u in micros[m].indices for j in range(g)) for m in slots]
+    return VerlLayout(lists, plan, rank, offset)
+
+
+def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: int | None = None,
+                            same_micro_num_in_dp: bool = True, min_num_micro_batch: int | None = None,
+                            use_dynamic_bsz_balance: bool = True, force_group_size: int = 1) -> tuple[list[Any], list[list[int]]]:
+    """verl's ``rearrange_micro_batches``: (list of TensorDict micro-batches, index lists), planned by microplan."""
+    import torch
+    from verl.utils import tensordict_utils as tu
+    layout = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group=dp_group,
+                                num_batches_divided_by=num_batches_divided_by,
+                                same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
+                                use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size)
+    micros = [tu.index_select_tensor_dict(batch, torch.tensor(idx, dtype=torch.long)) for idx in layout.index_lists]
+    return micros, layout.index_lists
+
+
+def prepare_dynamic_batch(data: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: int | None = None,
+                          same_micro_num_in_dp: bool = True, min_num_micro_batch: int | None = None,
+                          use_dynamic_bsz_balance: bool = True) -> tuple[list[Any], list[list[int]]]:
+    """verl's ``prepare_dynamic_batch``: (list of DataProto micro-batches, index lists)."""
+    import copy
+
+    from verl import DataProto
+    batches, lists = rearrange_micro_batches(data.batch, max_token_len=max_token_len, dp_group=dp_group,
+                                             num_batches_divided_by=num_batches_divided_by,
+                                             same_micro_num_in_dp=same_micro_num_in_dp,
+                                             min_num_micro_batch=min_num_micro_batch,
+                                             use_dynamic_bsz_balance=use_dynamic_bsz_balance)
+    out = []
+    for td, idx in zip(batches, lists):
+        non_tensors = {key: value[idx] for key, value in data.non_tensor_batch.items()}
+        out.append(DataProto.from_dict(dict(td), non_tensors, meta_info=copy.deepcopy(data.meta_info)))
+    return out, lists
+
+
+def restore_dynamic_batch(data: Any, batch_idx_list: list[list[int]]) -> Any:
+    """verl's ``restore_dynamic_batch``: rows of the concatenated micro-batch outputs back in input order."""
+    import torch
+    flat = [int(i) for idx in batch_idx_list for i in idx]
+    n = int(data.shape[0])
+    if len(flat) != n or sorted(flat) != list(range(n)):
+        raise PlanError(f"restore_dynamic_batch: the index lists hold {len(flat)} indices for {n} rows; they must "
+                        "be a permutation of 0..rows-1 (the lists the micro-batches were made with).")
+    inverse = torch.empty(n, dtype=torch.long)
+    inverse[torch.tensor(flat, dtype=torch.long)] = torch.arange(n, dtype=torch.long)
+    if data.is_nested:
+        rows = data.unbind()
+        return torch.nested.as_nested_tensor([rows[i] for i in inverse.tolist()], layout=torch.jagged)
+    return data[inverse.to(data.device)]
+
+
+# -- the switch ----------------------------------------------------------------------------------
+
+def install(*, cost: CostModel | None = None, short_step: str = "error") -> None:
+    """Route verl's sequence balancing through microplan in this process (idempotent).
+
+    Replaces the four functions in ``verl.utils.seqlen_balancing`` and in every loaded ``verl``
+    module that imported them by name; modules imported later get them from the patched module.
+    ``cost``: the cost model to balance with (default: verl's own workload model);
+    ``short_step``: ``"error"`` (default) or ``"pad"`` (see the module note).
+    """
+    try:
+        import verl.utils.seqlen_balancing as sb
+    except ImportError as exc:
+        raise ImportError(f"microplan.integrations.verl.install() needs verl: {INSTALL_HINT}") from exc
+    if short_step not in ("error", "pad"):
+        raise PlanError(f"install(short_step={short_step!r}) must be 'error' or 'pad'.")
+    if cost is not None and not isinstance(cost, CostModel):
+        raise PlanError(f"install(cost={cost!r}) must be a microplan cost model, e.g. FlopsCost.from_hf_config(...).")
+    _SETTINGS.update(cost=cost if cost is not None else VERL_WORKLOAD, short_step=short_step)
+    if _PATCHED:
+        return
+    mine = {name: globals()[name] for name in _NAMES}
+    theirs = {name: getattr(sb, name) for name in _NAMES}
+    for mod in [m for name, m in list(sys.modules.items()) if name == "verl" or name.startswith("verl.")]:
+        for name in _NAMES:
+            if getattr(mod, name, None) is theirs[name]:
+                _PATCHED.append((mod, name, theirs[name]))
+                setattr(mod, name, mine[name])
+
+
+def uninstall() -> None:
+    """Put verl's own functions back wherever :func:`install` replaced them."""
+    while _PATCHED:
+        mod, name, original = _PATCHED.pop()
+        setattr(mod, name, original)
+    _SETTINGS.update(cost=VERL_WORKLOAD, short_step="error")
+
+
+def installed() -> bool:
+    return bool(_PATCHED)
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+def _synced(dp_group: Any, same_micro_num_in_dp: bool) -> bool:
+    if not same_micro_num_in_dp or dp_group is None:
+        return False
+    import torch.distributed as dist
+    return bool(dist.is_available() and dist.is_initialized())
+
+
+def _effective_lengths(batch: Any) -> np.ndarray:
+    """Tokens of each row, as verl counts them: nested ``input_ids`` lengths, else the attention mask sum."""
+    ids = batch["input_ids"]
+    if getattr(ids, "is_nested", False):
+        return ids.offsets().diff().cpu().numpy().astype(np.int64)
+    return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
+
+
+def _as_list(values: Any) -> list:
+    return values.tolist() if hasattr(values, "tolist") else list(values)
