@@ -40,13 +40,15 @@ def _float64_norms(model: torch.nn.Module) -> None:
             m.__class__ = RMSNormSameDtype
 
 
-def make_model(seed: int = 0, *, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
-    """A 2-layer Llama (hidden 16, 2 heads, 1 KV head) with seeded random weights, sdpa attention,
+def make_model(seed: int = 0, *, dtype: torch.dtype = torch.float64, attn: str = "sdpa",
+               max_positions: int = 64) -> torch.nn.Module:
+    """A 2-layer Llama (hidden 16, 2 heads, 1 KV head) with seeded random weights, ``attn``
+    attention (sdpa by default; ``microplan.torch.register_attention()`` for prefix-shared rows),
     float64 end to end (dtype-preserving RMSNorm)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                      tie_word_embeddings=False, attn_implementation="sdpa")
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
+                      tie_word_embeddings=False, attn_implementation=attn)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg).to(dtype)
     with torch.no_grad():  # HF initialises with std 0.02; larger weights make the test sharper

@@ -199,3 +199,23 @@ def test_trees_larger_than_the_cap_are_cut_where_they_branch():
     assert plan.stats.tokens_with_sharing == 4 * 1700 < 0.25 * plan.stats.tokens_without_sharing
     for m in micros:                                                   # one rollout's turns, in order
         assert len({rids[i] for i in m.indices.tolist()}) == 1 and np.all(np.diff(m.indices) == 1)
+
+
+def test_forward_passes_use_the_same_trees():
+    """Old/reference log-prob passes: plan_forward keeps sharing (its own plan, or like= the training
+    plan micro-batch for micro-batch, trees included)."""
+    from microplan.traces import generate
+    batch = generate("grpo-longtail", num_prompts=16, max_len=4096, seed=0)
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=8192, share_prefixes=True)
+    train = mp.plan(batch, cfg)
+    own = mp.plan_forward(batch, cfg)
+    own.validate()
+    assert own.stats.tokens_with_sharing < own.stats.tokens_without_sharing
+    like = mp.plan_forward(batch, cfg, like=train)
+    like.validate()
+    for a, b in zip(train.steps, like.steps):
+        for ra, rb in zip(a.micros, b.micros):
+            for ma, mb in zip(ra, rb):
+                assert np.array_equal(ma.indices, mb.indices) and ma.tree == mb.tree
+                assert not mb.loss_scale.any()
+    assert mp.Plan.from_json(like.to_json()) == like

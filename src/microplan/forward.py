@@ -92,7 +92,8 @@ def _zero_scales(step: Step) -> Step:
         return zeros[n]
 
     micros = tuple(tuple(Micro._trusted(m.indices, m.seq_lens, m.loss_tokens, zero(m.indices.size), m.cp_size,
-                                        m.cp_rank, m.cp_group) for m in row) for row in step.micros)
+                                        m.cp_rank, m.cp_group, m.tree, footprint=m.footprint)
+                         for m in row) for row in step.micros)
     return Step(step.index, micros, step.samples, choice=step.choice)
 
 

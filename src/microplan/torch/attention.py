@@ -129,7 +129,9 @@ def segments_from_position_ids(position_ids: torch.Tensor, valid: torch.Tensor |
     pos = position_ids.detach().to("cpu", torch.int64)
     if pos.dim() == 1:
         pos = pos[None]
-    B, T = pos.shape
+    T = pos.shape[1]
+    B = max(pos.shape[0], 1 if valid is None else valid.shape[0])  # transformers passes [1, T] positions for a batch
+    pos = pos.expand(B, T)
     ok = torch.ones(B, T, dtype=torch.bool) if valid is None else valid.detach().to("cpu", torch.bool).expand(B, T)
     start = torch.ones(B, T, dtype=torch.bool)
     start[:, 1:] = (pos[:, 1:] != pos[:, :-1] + 1) | ~ok[:, :-1]
@@ -228,11 +230,43 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
             raise PlanError(f"microplan's attention does not implement {unsupported}; use attn_implementation="
                             "'flash_attention_2' (which reads cu_seq_lens) or 'sdpa' for this model.")
     causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+    key_index = kwargs.get("microplan_key_index")
+    if key_index is not None:  # a prefix-shared row (torch/tree.py): each segment's keys are its path
+        if query.shape[0] != 1:
+            raise PlanError(f"a prefix-shared micro-batch is ONE packed row, but the batch has {query.shape[0]} rows.")
+        idx = key_index.to(key.device)
+        key, value = key.index_select(2, idx), value.index_select(2, idx)
+        if query.is_cuda and _flash_varlen() is not None:
+            return _flash_tree(query, key, value, kwargs, scaling, dropout, causal), None
     seg = _table(query, attention_mask, causal, kwargs)
     B, Hq, T, _ = query.shape
     flat = lambda x: x.transpose(1, 2).reshape(B * x.shape[2], x.shape[1], x.shape[3])  # noqa: E731
     out = segment_attention(flat(query), flat(key), flat(value), seg, scale=scaling, dropout_p=dropout)
     return out.reshape(B, T, Hq, value.shape[-1]), None
+
+
+def _flash_varlen() -> Any:
+    """flash-attn's varlen function when installed (GPU only), else None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def _flash_tree(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict, scaling: float | None,
+                dropout: float, causal: bool) -> torch.Tensor:
+    """A prefix-shared row on GPU: flash-attn varlen with ``cu_seqlens_q != cu_seqlens_k`` over the
+    gathered path keys, causal aligned bottom-right (flash-attn >= 2.1). Not exercised by the
+    CPU test suite: the per-segment sdpa path is the tested reference."""
+    fn = _flash_varlen()
+    q = query[0].transpose(0, 1)            # [T, Hq, D]
+    k, v = key[0].transpose(0, 1), value[0].transpose(0, 1)
+    cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int32)
+    cu_k = kwargs["cu_seq_lens_k"].to(query.device, torch.int32)
+    out = fn(q, k, v, cu_q, cu_k, int(kwargs["max_length_q"]), int(kwargs["max_length_k"]), dropout_p=dropout,
+             softmax_scale=scaling, causal=causal)
+    return out[None]                         # [1, T, Hq, Dv]
 
 
 def register_attention() -> str:
@@ -241,7 +275,10 @@ def register_attention() -> str:
     Build or load the model with ``attn_implementation=register_attention()`` (or call
     ``model.set_attn_implementation(name)``), then run ``model(**packed.model_inputs(),
     use_cache=False)``: each sample of the packed row attends causally to itself only, at a cost
-    in Σ L² (see the module note). Idempotent; needs ``transformers`` >= 5.
+    in Σ L² (see the module note). A prefix-shared micro-batch (``PlanConfig(share_prefixes=True)``)
+    runs the same way: each token attends to its ancestors on its path (``model_inputs`` passes
+    the path table; per-segment sdpa over the gathered path keys on CPU, flash-attn varlen with
+    ``cu_seqlens_q != cu_seqlens_k`` on GPU when installed). Idempotent; needs ``transformers`` >= 5.
 
     Raises:
         PlanError: transformers is missing or has no attention interface.

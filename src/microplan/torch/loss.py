@@ -64,6 +64,12 @@ def token_logprobs(logits: torch.Tensor, packed: Packed, *, temperature: float =
     if temperature != 1.0:
         x = x / temperature
     ids = packed.input_ids.to(x.device)
+    tree = getattr(packed, "tree", None)
+    if tree is not None:  # a prefix-shared row: each token's predecessor is on its path (tree.py)
+        prev_idx = tree.prev_index.to(x.device)
+        src = x.index_select(0, prev_idx.clamp(min=0))
+        lp = src.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(src, dim=-1)
+        return torch.where(prev_idx >= 0, lp, torch.zeros_like(lp))
     prev = x[..., :-1, :]
     lp = prev.gather(-1, ids[..., 1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
     lp = torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
@@ -78,12 +84,20 @@ def _continues(packed: Packed, device: torch.device) -> torch.Tensor:
     return out
 
 
+def _no_tree(packed: Packed, what: str) -> None:
+    if getattr(packed, "tree", None) is not None:
+        raise PlanError(f"{what} is logit aligned, and in a prefix-shared row a token's logits predict every "
+                        "branch that continues it; use token_logprobs (label aligned) and weighted_loss(..., "
+                        "aligned='token').")
+
+
 def next_token_labels(packed: Packed, *, ignore_index: int = -100) -> torch.Tensor:
     """Logit-aligned labels ``[T]``: ``input_ids[t+1]`` where t+1 is in t's sample, else ``ignore_index``.
 
     Only loss tokens matter for the weighted loss; non-loss positions keep their real label (pair
-    these labels with :func:`next_token_weights`, which is 0 there).
+    these labels with :func:`next_token_weights`, which is 0 there). Not for prefix-shared rows.
     """
+    _no_tree(packed, "next_token_labels")
     ids = packed.input_ids
     nxt = torch.cat([ids[..., 1:], ids.new_full((*ids.shape[:-1], 1), ignore_index)], dim=-1)
     return torch.where(_continues(packed, ids.device), nxt, torch.full_like(nxt, ignore_index))
@@ -91,13 +105,14 @@ def next_token_labels(packed: Packed, *, ignore_index: int = -100) -> torch.Tens
 
 def next_token_weights(packed: Packed) -> torch.Tensor:
     """Logit-aligned weights ``[T]``: ``loss_weights[t+1]`` within a sample, 0 at each sample's last token."""
+    _no_tree(packed, "next_token_weights")
     w = packed.loss_weights
     nxt = torch.cat([w[..., 1:], w.new_zeros((*w.shape[:-1], 1))], dim=-1)
     return torch.where(_continues(packed, w.device), nxt, torch.zeros_like(nxt))
 
 
 def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
-                  aligned: Literal["token", "logit"] = "token") -> torch.Tensor:
+                  aligned: Literal["token", "logit"] = "token", per_sample: bool | None = None) -> torch.Tensor:
     """The scalar to backward for one micro-batch: ``Σ_t w[t] · token_losses[t]``.
 
     Args:
@@ -112,9 +127,35 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
     Returns a 0-dim tensor in the promoted dtype of losses and weights. A placeholder gives an
     exact 0 that is still connected to the graph, so backward and the gradient all-reduce run.
     Do not rescale it: see the module note.
+
+    A prefix-shared row takes its losses either per token ``[U]`` (a shared loss token carries
+    the summed scales of its samples: exact when ℓ depends only on the token, e.g. a plain NLL) or
+    in the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand` / :func:`pack_values` (exact
+    for every per-sample loss, e.g. PPO with per-sample advantages); ``per_sample`` says which
+    (None: from the length — a row without any shared token has both of the same length, and
+    then the two layouts must coincide, else pass it).
     """
     if aligned not in ("token", "logit"):
         raise PlanError(f"aligned={aligned!r} must be 'token' (loss of token t at t) or 'logit' (at t-1).")
+    tree = getattr(packed, "tree", None)
+    if tree is not None:
+        if aligned == "logit":
+            _no_tree(packed, "weighted_loss(aligned='logit')")
+        y = token_losses[0] if token_losses.dim() == 2 and token_losses.shape[0] == 1 else token_losses
+        S, U = tree.sample_weights.numel(), packed.num_tokens
+        if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and \
+                not torch.equal(tree.flat_rows.cpu(), torch.arange(U)):
+            raise PlanError("token_losses has as many entries as the row and as the per-sample layout, which order "
+                            "tokens differently here: pass per_sample=True (losses in the layout of pack_values / "
+                            "PackedMicro.expand) or per_sample=False (one loss per row token).")
+        if per_sample or (per_sample is None and y.dim() == 1 and y.shape[0] == S and S != U):
+            if y.dim() != 1 or y.shape[0] != S:
+                raise PlanError(f"per-sample token_losses must be [Σ L] = [{S}], got shape {tuple(y.shape)}.")
+            if not (y.dtype.is_floating_point or y.dtype.is_complex):
+                raise PlanError(f"token_losses must be floating point, got {y.dtype}.")
+            w = tree.sample_weights.to(y.device)
+            prod = y * w
+            return torch.where(w != 0, prod, torch.zeros_like(prod)).sum()
     x = _tokens_first(token_losses, packed, "token_losses", extra_dims=0)
     if not (x.dtype.is_floating_point or x.dtype.is_complex):
         raise PlanError(f"token_losses must be floating point, got {x.dtype}.")

@@ -44,6 +44,7 @@ import torch
 from ..errors import PlanError
 from ..footprint import round_up
 from ..types import Micro
+from .tree import TreeLayout, check_tree, tree_layout
 
 __all__ = ["PackedMicro", "pack_micro", "pack_values"]
 
@@ -71,6 +72,11 @@ class PackedMicro:
             entry of ``seq_lens``/``cu_seqlens`` and belongs to no sample.
         pad_to_multiple_of / pad_row_to_multiple_of: the rules the padding follows (checked by
             :meth:`validate`).
+        tree: for a prefix-shared micro-batch (``PlanConfig(share_prefixes=True)``), the
+            :class:`~microplan.torch.tree.TreeLayout`: then the row holds every shared token once,
+            ``seq_lens``/``cu_seqlens`` are its *segments* (not samples), ``position_ids`` are
+            each token's position in its own samples, and attention must come from
+            :func:`microplan.torch.register_attention` (``model_inputs`` passes the path table).
     """
 
     input_ids: torch.Tensor
@@ -87,6 +93,7 @@ class PackedMicro:
     row_pad: int = 0
     pad_to_multiple_of: int = 1
     pad_row_to_multiple_of: int = 1
+    tree: TreeLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -96,6 +103,8 @@ class PackedMicro:
     @property
     def num_samples(self) -> int:
         """Real samples packed (0 for a placeholder)."""
+        if self.tree is not None:
+            return int(self.sample_indices.numel())
         return 0 if self.is_placeholder else len(self.seq_lens) - (1 if self.row_pad else 0)
 
     @property
@@ -125,15 +134,39 @@ class PackedMicro:
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
                        cu_seqlens=mv(self.cu_seqlens), loss_weights=mv(self.loss_weights),
-                       loss_mask=mv(self.loss_mask), sample_indices=mv(self.sample_indices))
+                       loss_mask=mv(self.loss_mask), sample_indices=mv(self.sample_indices),
+                       tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``{"input_ids": [1, T], "position_ids": [1, T]}`` for a Hugging Face causal LM.
 
         Call ``model(**packed.model_inputs(), attention_mask=None, use_cache=False)``: transformers
         5.x then applies block-diagonal causal attention from the restarting position ids.
+
+        A prefix-shared micro-batch (``tree``) also passes its attention table —
+        ``cu_seq_lens_q`` (its segments), ``cu_seq_lens_k`` / ``max_length_k`` (each segment's
+        path) and ``microplan_key_index`` (the path rows) — which only the attention of
+        :func:`microplan.torch.register_attention` reads: build the model with it.
         """
-        return {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None]}
+        out = {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None]}
+        if self.tree is not None:
+            out.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.tree.cu_seqlens_k,
+                       max_length_q=self.max_seqlen, max_length_k=self.tree.max_seqlen_k,
+                       microplan_key_index=self.tree.key_index)
+        return out
+
+    def expand(self, x: torch.Tensor) -> torch.Tensor:
+        """A ``[T, ...]`` row tensor in the per-sample layout the loss is written in: itself for a
+        flat row; for a prefix-shared row ``[Σ L, ...]``, every member's tokens in full (a shared
+        token repeated for each sample that holds it), member after member — the layout of
+        :func:`pack_values` and of ``tree.sample_weights``."""
+        if self.tree is None:
+            return x
+        T = self.num_tokens
+        y = x[0] if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == T else x
+        if y.dim() == 0 or y.shape[0] != T:
+            raise PlanError(f"expand needs a [T, ...] tensor with T={T}, got shape {tuple(x.shape)}.")
+        return y.index_select(0, self.tree.flat_rows.to(y.device))
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a ``[T, ...]`` (or ``[1, T, ...]``) tensor into per-sample views of each sample's REAL
@@ -145,6 +178,8 @@ class PackedMicro:
                             f"token dimension must be T={T} ([T, ...] or [1, T, ...]).")
         if self.is_placeholder:
             return ()
+        if self.tree is not None:  # each member's whole sequence, shared tokens included
+            return tuple(x.index_select(0, r.to(x.device)) for r in self.tree.sample_rows)
         starts = np.concatenate([[0], np.cumsum(self.seq_lens)])
         return tuple(x[int(a):int(a) + n] for a, n in zip(starts.tolist(), self.real_lens))
 
@@ -161,6 +196,9 @@ class PackedMicro:
         """
         T = self.num_tokens
         cu = self.cu_seqlens
+        if self.tree is not None:
+            self._validate_tree()
+            return
         if cu.dim() != 1 or cu.dtype != torch.int32:
             raise PlanError(f"cu_seqlens must be a 1-D int32 tensor, got shape {tuple(cu.shape)} dtype {cu.dtype}.")
         c = cu.cpu().to(torch.int64)
@@ -189,6 +227,22 @@ class PackedMicro:
         if self.sample_indices.numel() != self.num_samples:
             raise PlanError(f"sample_indices has {self.sample_indices.numel()} entries for {self.num_samples} samples.")
         self._validate_padding(m)
+
+    def _validate_tree(self) -> None:
+        T = self.num_tokens
+        c = self.cu_seqlens.cpu().to(torch.int64)
+        if self.cu_seqlens.dtype != torch.int32 or c.numel() != len(self.seq_lens) + 1 or int(c[0]) != 0 \
+                or c.diff().tolist() != list(self.seq_lens):
+            raise PlanError(f"cu_seqlens={c.tolist()} must be the int32 boundaries of the segments {list(self.seq_lens)}.")
+        for name in ("input_ids", "position_ids", "loss_weights", "loss_mask"):
+            if tuple(getattr(self, name).shape) != (T,):
+                raise PlanError(f"{name} has shape {tuple(getattr(self, name).shape)}; it must be [T] = [{T}].")
+        pos = self.position_ids.cpu()
+        lens = torch.tensor(self.seq_lens)
+        first = torch.repeat_interleave(c[:-1], lens)
+        if not torch.equal(pos, pos[first] + (torch.arange(T) - first)):
+            raise PlanError("position_ids must count up by 1 within each segment.")
+        check_tree(self)
 
     def _validate_padding(self, loss_mask: torch.Tensor) -> None:
         """The padding convention of the module note (a no-op without padding)."""
@@ -302,6 +356,8 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
     if not isinstance(micro, Micro):
         raise PlanError("pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), "
                         f"got {type(micro).__name__}.")
+    if micro.tree is not None and not micro.is_placeholder:
+        return _pack_tree(micro, token_ids, loss_masks, weight_dtype)
     fp = micro.footprint
     if fp is not None and fp.padded:
         from .padded import pack_padded_micro  # the [n, W] layouts
@@ -346,6 +402,17 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
     return packed
 
 
+def _pack_tree(micro: Micro, token_ids: Any, loss_masks: Any, weight_dtype: torch.dtype) -> PackedMicro:
+    """A prefix-shared micro-batch: every shared token once (``tree.py``)."""
+    tokens, masks = [], []
+    for i, n, k in zip(micro.indices.tolist(), micro.seq_lens.tolist(), micro.loss_tokens.tolist()):
+        tokens.append(_token_tensor(_entry(token_ids, i, "token_ids"), i, n))
+        masks.append(_mask_tensor(loss_masks, i, n, k))
+    packed = PackedMicro(**tree_layout(micro, masks, tokens, weight_dtype), cp_size=int(micro.cp_size))
+    packed.validate()
+    return packed
+
+
 def _value_tensor(values: Sequence[Any] | Mapping[int, Any], i: int, n: int) -> torch.Tensor:
     """``values[i]`` as a host tensor of sample i's ``n`` tokens (a scalar is broadcast)."""
     v = _entry(values, i, "values")
@@ -365,7 +432,8 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
     ``values[i]`` (indexed by GLOBAL sample index) is either a 1-D tensor of sample i's length
     (token aligned like ``input_ids``) or a scalar broadcast over its tokens. Padding (and a
     placeholder's dummy tokens) get ``fill``. The result is on the host; move it with
-    ``.to(device)``. A :class:`~microplan.torch.padded.PaddedMicro` gives ``[n, W]``.
+    ``.to(device)``. A :class:`~microplan.torch.padded.PaddedMicro` gives ``[n, W]``; a
+    prefix-shared micro-batch the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand`.
     """
     if not isinstance(packed, PackedMicro):
         from .padded import PaddedMicro, pack_padded_values
@@ -374,6 +442,9 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
         raise PlanError(f"pack_values takes a PackedMicro or PaddedMicro, got {type(packed).__name__}.")
     if packed.is_placeholder:
         return torch.full((packed.num_tokens,), fill, dtype=dtype or torch.float64)
+    if packed.tree is not None:  # the per-sample layout [Σ L] (see PackedMicro.expand)
+        out = torch.cat([_value_tensor(values, i, n) for i, n in zip(packed.sample_indices.tolist(), packed.real_lens)])
+        return out.to(dtype) if dtype is not None else out
     parts = []
     for i, n, held in zip(packed.sample_indices.tolist(), packed.real_lens, packed.seq_lens):
         t = _value_tensor(values, i, n)
