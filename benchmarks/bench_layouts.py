@@ -33,7 +33,8 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 import microplan as mp  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
-from benchmarks.bench_planners import FAMILIES, SPG, _agg, _mw, bench_args, group_rows, make_step  # noqa: E402
+from benchmarks.bench_planners import (FAMILIES, SPG, _agg, _mw, bench_args, group_rows, make_step,  # noqa: E402
+                                       run_grid)
 from benchmarks.bench_planners import COLUMNS as _PLANNER_COLUMNS  # noqa: E402
 from benchmarks.bench_planners import format_table as _format_table  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, padded_step_metrics, step_metrics  # noqa: E402
@@ -139,11 +140,7 @@ def check_targets(summary: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     args, dps, seeds = bench_args(argv, __doc__, list(PLANNERS), (8, 16, 32))
     cost = dense_7b_cost()
-    rows = []
-    for fam in args.families:
-        for dp in dps:
-            for seed in seeds:
-                rows.extend(run_case(fam, dp, seed, cost, args.planners))
+    rows = run_grid(run_case, args.families, dps, seeds, cost, args.planners)
     summary = summarise(rows)
     print(f"padded layouts, one step per case, dp {list(dps)} x seeds {list(seeds)}; cells: median/worst")
     print(format_table(summary))

@@ -132,10 +132,17 @@ def make_step(family: str, dp: int, spg: int, seed: int, max_len: int | None = N
     per_prompt = group * (2 if family == "stepwise-multiturn" else 1)  # multiturn: >= ~2 turns/rollout
     prompts = -(-target // per_prompt) * 2
     b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed)
-    pid = np.asarray(b.prompt_ids)                                      # non-decreasing
-    cut = int(np.searchsorted(pid, pid[min(target, pid.size) - 1], side="right"))
+    pid = np.asarray(b.prompt_ids)
+    cut = whole_prompts(pid, target)
     return mp.Batch(b.seq_lens[:cut], loss_tokens=b.loss_tokens[:cut], prompt_lens=b.prompt_lens[:cut],
                     prompt_ids=pid[:cut], rollout_ids=b.rollout_ids[:cut])
+
+
+def whole_prompts(prompt_ids: np.ndarray, target: int) -> int:
+    """Samples in the shortest prefix of whole prompts holding at least ``target`` samples (all of
+    them if fewer); ``prompt_ids`` non-decreasing, a prompt's samples contiguous."""
+    pid = np.asarray(prompt_ids)
+    return int(np.searchsorted(pid, pid[min(target, pid.size) - 1], side="right"))
 
 
 def run_case(family: str, dp: int, seed: int, cost, planners: list[str], forward_cost=None) -> list[dict]:
@@ -264,17 +271,24 @@ def plot(summary: list[dict], planners: list[str], path: Path) -> None:
 
 # -- main -----------------------------------------------------------------------------------------
 
-def bench_args(argv: list[str] | None, doc: str, planners: list[str],
-               full_dps: tuple[int, ...]) -> tuple[argparse.Namespace, tuple[int, ...], range]:
-    """The options every family × dp × seed benchmark takes; (args, dps, seeds)."""
+def bench_args(argv: list[str] | None, doc: str, planners: list[str], full_dps: tuple[int, ...],
+               families: list[str] | None = None) -> tuple[argparse.Namespace, tuple[int, ...], range]:
+    """The options every family × dp × seed benchmark takes; (args, dps, seeds). ``families``: the
+    benchmark's own family names (default: this module's)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="dp 8 and 32, 3 seeds (under ~2 minutes)")
-    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES) if families is None else families)
     ap.add_argument("--planners", nargs="*", default=planners)
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     dps, seeds = ((8, 32), range(3)) if args.quick else (full_dps, range(6))
     return args, dps, seeds
+
+
+def run_grid(run_case: Callable[..., list[dict]], families: list[str], dps: tuple[int, ...], seeds: range,
+             *extra) -> list[dict]:
+    """The rows of ``run_case(family, dp, seed, *extra)`` over the family × dp × seed grid, in that order."""
+    return [row for fam in families for dp in dps for seed in seeds for row in run_case(fam, dp, seed, *extra)]
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -284,11 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"per_micro={cost.per_micro:.3g})  [~7B dense: 6·7e9 FLOPs/token, 6·32·4096 per L², 256 tokens/micro]")
     print(f"forward rows: cap × {'/'.join(map(str, FORWARD_CAP_MULT))} (by seed), forward-only cost "
           f"FlopsCost(linear={fcost.linear:.3g}, quadratic={fcost.quadratic:.6g}, per_micro={fcost.per_micro:.3g})")
-    rows = []
-    for fam in args.families:
-        for dp in dps:
-            for seed in seeds:
-                rows.extend(run_case(fam, dp, seed, cost, args.planners, fcost))
+    rows = run_grid(run_case, args.families, dps, seeds, cost, args.planners, fcost)
     summary = summarise(rows)
     print("cells: median/worst over dp x seed cases; equal, K=Klb: share of cases")
     print(format_table(summary))
