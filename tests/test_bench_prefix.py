@@ -175,9 +175,6 @@ def test_run_case_end_to_end():
     assert targets["over_cap"] == 0 and targets["recount_mismatches"] == 0 and targets["pass"]["never_more_tokens"]
 
 
-@pytest.mark.xfail(strict=True, reason="planning-side defect reported to the lead (stages/share.py): on GRPO with "
-                   "short prompts the whole-tree atoms balance worse than per-sample packing, and the sharing plan "
-                   "is predicted slower than the same step without sharing")
 def test_sharing_plan_is_never_predicted_slower_than_without():
     b = bp.make_step("grpo-short", 8, 16, seed=0)
     cfg = dict(dp_size=8, max_tokens_per_micro=32768, cost=dense_7b_cost())

@@ -108,6 +108,31 @@ def test_unsupported_combinations_are_refused():
 
 # -- planning -------------------------------------------------------------------------------------
 
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 40), limit=st.integers(1, 120),
+       p_link=st.sampled_from([0.3, 0.7, 0.95]))
+def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link):
+    """stages/share._atoms (the fast subtree arithmetic) against token-id tries: every sample in
+    exactly one atom, each atom's token count is its members' trie (counted from the ids), and
+    only a lone sample longer than the limit exceeds it."""
+    from microplan.prefix import micro_tree, sample_forest
+    from microplan.stages.share import _atoms
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 60, size=n)
+    toks, parent, shared = realise(rng, lens, p_link=p_link)
+    step = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False))  # a step: any subset
+    atoms = _atoms(step, parent, shared, lens, limit)
+    assert sorted(i for a in atoms for i in a.members) == step.tolist()
+    for a in atoms:
+        assert a.tokens == trie_size(toks, a.members)
+        t = micro_tree(parent, shared, lens, a.members)   # the Σ depth² the cost sees, as the plan's trees count it
+        assert (a.tokens, a.depth_sq) == (t.num_tokens, t.depth_sq)
+        assert a.tokens <= limit or (len(a.members) == 1 and lens[a.members[0]] > limit)
+    whole = _atoms(step, parent, shared, lens, 10**9)   # no limit: one atom per tree of the step
+    roots, _ = sample_forest(parent, shared, step)
+    assert [a.members[0] for a in whole] == roots
+
+
+
 @given(data=st.data(), case=cases(max_samples=60, max_cap=200))
 def test_sharing_plans_keep_every_invariant(data, case):
     """Random forests over random batches and configs (steps, align, pad/drop/error, sync, loss):
@@ -138,6 +163,12 @@ def test_sharing_plans_keep_every_invariant(data, case):
     assert back == plan and back.fingerprint() == plan.fingerprint()
     no_share = mp.plan(batch, replace(cfg, share_prefixes=False, short_step="pad"))
     assert st_.tokens_with_sharing <= no_share.stats.tokens_with_sharing
+    try:  # the same step planned without sharing (same short_step): never predicted faster under lockstep
+        plain = mp.plan(batch, replace(cfg, share_prefixes=False))
+    except mp.PlanError:
+        return  # whole trees need fewer micro-batches than the unshared samples: sharing may fill a step plain can't
+    if cfg.sync == "micro" and plain.dropped.size == plan.dropped.size:
+        assert st_.lockstep_time <= plain.stats.lockstep_time * (1 + 1e-9)
 
 
 def _grpo(groups: int, n: int, prompt: int, response: tuple[int, int], rng) -> tuple[mp.Batch, list[np.ndarray]]:

@@ -16,13 +16,22 @@ its samples (``microplan.prefix``). Steps:
    parts of one tree in one micro-batch share their root path again), its exact cost, and the
    usual arrangement into slots and loss scales.
 
+4. Granularity by predicted time. Whole trees save the most tokens but balance coarsely when a
+   step holds few large trees per rank; cutting them duplicates root paths. The step is planned
+   with whole trees, with trees cut into parts of about the mean micro-batch load and half of
+   it, and with one atom per sample (micro-batch tries still share what their samples share);
+   the plan with the fewest drops, then the least predicted step time, then the fewest tokens
+   is kept.
+
 Guarantees: every core invariant (the cap now counting unique tokens); a micro-batch never
-holds more tokens than its samples unshared. Trade-off (benchmarks/bench_prefix.py): atoms keep
-whole trees together, which is what saves tokens, at the price of coarser balancing when a few
-trees are large; cutting trees finer would balance better and duplicate more prefix tokens.
+holds more tokens than its samples unshared; the step is never predicted slower than the
+per-sample candidate, which packs exactly what the plain planner packs (and its micro-batches
+share whatever their samples share). Cost: up to four packings per step.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,7 +42,7 @@ from ..errors import PlanError
 from ..prefix import dfs_order, micro_tree, sample_forest
 from ..types import Micro, Step
 from .assign import arrange
-from .fit import effective_cap, fit_step
+from .fit import StepFit, effective_cap, fit_step
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["plan_shared_step", "forest_of"]
@@ -90,27 +99,58 @@ class _Part:
 
 
 def _atoms(samples: np.ndarray, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray,
-           cap: int) -> list[_Part]:
-    """Trees that fit the cap whole; a larger one is cut into parts that fit, subtree by subtree
-    (a branch that fits in the current part's room joins it, one that fits a fresh part starts
-    one, a larger one is split at its own branches), so parts break where branches diverge."""
+           limit: int) -> list[_Part]:
+    """Trees whose trie holds at most ``limit`` tokens stay whole; a larger one is cut into parts,
+    subtree by subtree (a branch that fits in the current part's room joins it, one that fits a
+    fresh part starts one, a larger one is split at its own branches), so parts break where
+    branches diverge. ``limit`` <= the cap; a sample longer than ``limit`` is a part of its own
+    (never above the cap when the sample fits it). O(Σ path walks): each sample is added once."""
     roots, children = sample_forest(parent, shared, samples)
+    sub = _subtree_tokens(roots, children, parent, shared, lens)
     atoms: list[_Part] = []
     for r in roots:
         part = _Part()
         stack = [r]
         while stack:  # depth-first, iteratively (trajectories can be long chains)
             i = stack.pop()
-            if _place_subtree(i, children, part, atoms, parent, shared, lens, cap):
+            if _place_subtree(i, children, sub, part, atoms, parent, shared, lens, limit):
                 continue
             du, dd, up = part.gain(i, parent, shared, lens)  # too large: place i, then its branches
-            if part.members and part.tokens + du > cap:
+            if part.members and part.tokens + du > limit:
                 atoms.append(part.detach())
                 du, dd, up = part.gain(i, parent, shared, lens)
             part.add(i, du, dd, up)
             stack.extend(children.get(i, [])[::-1])
         atoms.append(part)
     return [a for a in atoms if a.members]
+
+
+def _subtree_tokens(roots: list[int], children: dict[int, list[int]], parent: np.ndarray, shared: np.ndarray,
+                    lens: np.ndarray) -> dict[int, int]:
+    """Trie size of each sample's subtree, its own whole sequence included: a child j adds all but
+    the tokens it has in common with its parent in the step."""
+    order = []
+    for r in roots:
+        stack = [r]
+        while stack:
+            a = stack.pop()
+            order.append(a)
+            stack.extend(children.get(a, []))
+    sub: dict[int, int] = {}
+    for a in reversed(order):  # children before parents
+        sub[a] = int(lens[a]) + sum(sub[j] - _shared_with(j, a, parent, shared) for j in children.get(a, []))
+    return sub
+
+
+def _shared_with(j: int, a: int, parent: np.ndarray, shared: np.ndarray) -> int:
+    """Tokens sample j shares with its ancestor a: the least shared length on the chain between
+    them (the chain may pass through samples of other steps)."""
+    s = int(shared[j])
+    b = int(parent[j])
+    while b != a:
+        s = min(s, int(shared[b]))
+        b = int(parent[b])
+    return s
 
 
 def _subtree(i: int, children: dict[int, list[int]]) -> list[int]:
@@ -122,27 +162,19 @@ def _subtree(i: int, children: dict[int, list[int]]) -> list[int]:
     return out
 
 
-def _trial(part: _Part, block: list[int], parent, shared, lens) -> int:
-    """Tokens ``part`` would hold with ``block`` added (the part is left unchanged)."""
-    need = dict(part.need)
-    tokens = part.tokens
-    probe = _Part()
-    probe.need, probe.tokens = need, tokens
-    for i in block:
-        du, dd, up = probe.gain(i, parent, shared, lens)
-        probe.add(i, du, dd, up)
-    return probe.tokens
+def _place_subtree(i: int, children: dict[int, list[int]], sub: dict[int, int], part: _Part, atoms: list[_Part],
+                   parent, shared, lens, limit: int) -> bool:
+    """Put the whole subtree of sample i into ``part``, or into a fresh part; False if it fits neither.
 
-
-def _place_subtree(i: int, children: dict[int, list[int]], part: _Part, atoms: list[_Part], parent, shared, lens,
-                   cap: int) -> bool:
-    """Put the whole subtree of sample i into ``part``, or into a fresh part; False if it fits neither."""
-    block = _subtree(i, children)
-    if not (_trial(part, block, parent, shared, lens) <= cap):
-        if not part.members or _trial(_Part(), block, parent, shared, lens) > cap:
+    The subtree meets the part only on i's own sequence (the part holds earlier samples of the
+    depth-first order, none below i), whose covered prefix is ``lens[i] - gain(i)``, so the part
+    would hold ``part.tokens + sub[i] - (lens[i] - gain(i))`` tokens."""
+    covered = int(lens[i]) - part.gain(i, parent, shared, lens)[0] if part.members else 0
+    if part.tokens + sub[i] - covered > limit:
+        if not part.members or sub[i] > limit:
             return False
         atoms.append(part.detach())
-    for j in block:
+    for j in _subtree(i, children):
         part.add(j, *part.gain(j, parent, shared, lens))
     return True
 
@@ -169,9 +201,34 @@ def _components(atoms: list[_Part], rollouts: np.ndarray, pos: dict[int, int]) -
     return np.array([find(c) for c in firsts], dtype=np.int64)
 
 
+class _Candidate(NamedTuple):
+    """One way to cut a step's trees into atoms, packed: its bins, drops and predicted time."""
+
+    members: list[list[int]]   # samples of each of the dp·K bins
+    grid: np.ndarray           # [dp, K] bin of each (rank, slot)
+    kept: np.ndarray
+    dropped: np.ndarray
+    fit: StepFit
+    time: float      # predicted step time under cfg.sync (lockstep Σ_m max_r, or max_r Σ_m)
+    tokens: int      # unique tokens its micro-batches hold
+
+    def key(self) -> tuple[int, float, int]:
+        return (self.dropped.size, self.time, self.tokens)
+
+
+CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
+
+
 def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
                      cfg: PlanConfig) -> tuple[Step, np.ndarray, str]:
-    """The share-prefixes counterpart of the planner's per-step function."""
+    """The share-prefixes counterpart of the planner's per-step function.
+
+    Plans the step with whole-tree atoms, with trees cut at branches into parts of about the mean
+    micro-batch load (and half of it), and with one atom per sample (tries of each micro-batch's
+    samples still shared); keeps the fewest drops, then the least predicted time, then the fewest
+    tokens. The per-sample candidate makes a sharing plan never predicted slower than the
+    same step planned without sharing.
+    """
     cost = cfg.cost
     if not hasattr(cost, "tree_costs"):
         raise PlanError(f"share_prefixes=True needs a cost model that prices prefix trees (tree_costs): "
@@ -180,7 +237,45 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
     lens = batch.seq_lens
     cap = effective_cap(cfg)
     assert cap is not None and cfg.loss is not None
-    atoms = _atoms(samples, parent, shared, lens, cap)
+    singles = _singles(samples, parent, shared, lens)
+    try:
+        best = _candidate(s, _atoms(samples, parent, shared, lens, cap), samples, batch, cfg)
+    except PlanError:  # whole trees may be too few for dp·K micro-batches: finer atoms may fill them
+        best = _candidate(s, singles, samples, batch, cfg)  # the plain planner's feasibility
+        return _step(s, best, batch, cfg), best.dropped, _why(s, cfg)
+    mean = best.tokens / max(1, cfg.dp_size * best.fit.micro_count)
+    largest = max(_union(m, parent, shared, lens).tokens for m in best.members)
+    tried = {cap}
+    for frac in CUT_FRACTIONS:
+        limit = max(1, int(mean * frac))
+        if limit < largest and limit not in tried:
+            tried.add(limit)
+            best = min(best, _candidate(s, _atoms(samples, parent, shared, lens, limit), samples, batch, cfg),
+                       key=_Candidate.key)
+    best = min(best, _candidate(s, singles, samples, batch, cfg), key=_Candidate.key)
+    return _step(s, best, batch, cfg), best.dropped, _why(s, cfg)
+
+
+def _why(s: int, cfg: PlanConfig) -> str:
+    return (f"short_step='drop': trailing rollouts (whole prefix-tree components) dropped so step {s} aligns to "
+            f"dp_size × align = {cfg.dp_size} × {cfg.align} micro-batches")
+
+
+def _singles(samples: np.ndarray, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> list[_Part]:
+    """One atom per sample, in the step's order (what the plain planner packs)."""
+    out = []
+    for i in samples.tolist():
+        part = _Part()
+        part.add(i, *part.gain(i, parent, shared, lens))
+        out.append(part)
+    return out
+
+
+def _candidate(s: int, atoms: list[_Part], samples: np.ndarray, batch: Batch, cfg: PlanConfig) -> _Candidate:
+    """Pack ``atoms`` with the ordinary fit; each bin gets the trie of its samples' union."""
+    cost = cfg.cost
+    parent, shared = forest_of(batch)
+    lens = batch.seq_lens
     pos = {int(i): k for k, i in enumerate(samples.tolist())}
     a_lens = np.array([p.tokens for p in atoms], dtype=np.int64)
     a_costs = cost.tree_costs(a_lens, np.array([p.depth_sq for p in atoms], dtype=np.float64))  # type: ignore[union-attr]
@@ -192,26 +287,43 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
     for k, b in zip(fit.kept.tolist(), fit.bin_of.tolist()):
         members[b].extend(atoms[k].members)
     kept = np.sort(np.array([i for m in members for i in m], dtype=np.int64))
-    trees = [micro_tree(parent, shared, lens, m) if m else None for m in members]
-    U = np.array([t.num_tokens if t else 0 for t in trees], dtype=np.float64)
-    D2 = np.array([t.depth_sq if t else 0 for t in trees], dtype=np.float64)
+    unions = [_union(m, parent, shared, lens) for m in members]   # each bin's trie: tokens, Σ depth²
+    U = np.array([u.tokens for u in unions], dtype=np.float64)
+    D2 = np.array([u.depth_sq for u in unions], dtype=np.float64)
     counts = np.array([len(m) for m in members], dtype=np.int64)
-    grid = arrange(bin_costs(cost, cost.tree_costs(U, D2), U, counts), D, K)  # type: ignore[union-attr,arg-type]
+    bc = bin_costs(cost, cost.tree_costs(U, D2), U, counts)  # type: ignore[union-attr,arg-type]
+    grid = arrange(bc, D, K)
+    times = bc[grid]
+    time = float(times.max(axis=0).sum()) if cfg.sync == "micro" else float(times.sum(axis=1).max())
+    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, time, int(U.sum()))
+
+
+def _union(members: list[int], parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> _Part:
+    """The trie of ``members`` as a part (its size and Σ depth², as ``prefix.micro_tree`` counts them)."""
+    part = _Part()
+    for i in members:
+        part.add(i, *part.gain(i, parent, shared, lens))
+    return part
+
+
+def _step(s: int, c: _Candidate, batch: Batch, cfg: PlanConfig) -> Step:
+    """The chosen candidate as a Step: loss scales, samples in depth-first order per micro-batch."""
+    parent, shared = forest_of(batch)
+    K = c.fit.micro_count
+    assert cfg.loss is not None
+    kept = c.kept
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = np.zeros(batch.num_samples)
     scale[kept] = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     micros = []
-    for r in range(D):
+    for r in range(cfg.dp_size):
         row = []
-        for b in grid[r].tolist():
-            idx = dfs_order(parent, shared, np.array(members[b], dtype=np.int64)) if members[b] else \
-                np.zeros(0, dtype=np.int64)
-            row.append(_micro(idx, batch, scale, r, trees[b]))
+        for b in c.grid[r].tolist():
+            m = c.members[b]
+            idx = dfs_order(parent, shared, np.array(m, dtype=np.int64)) if m else np.zeros(0, dtype=np.int64)
+            row.append(_micro(idx, batch, scale, r, micro_tree(parent, shared, batch.seq_lens, m) if m else None))
         micros.append(row)
-    dropped = np.setdiff1d(samples, kept)
-    why = (f"short_step='drop': trailing rollouts (whole prefix-tree components) dropped so step {s} aligns to "
-           f"dp_size × align = {D} × {cfg.align} micro-batches")
-    return Step(s, micros, kept, choice=fit.choice), dropped, why
+    return Step(s, micros, kept, choice=c.fit.choice)
 
 
 def _micro(idx: np.ndarray, batch: Batch, scale: np.ndarray, rank: int, tree) -> Micro:
