@@ -26,7 +26,8 @@ its samples (``microplan.prefix``). Steps:
 Guarantees: every core invariant (the cap now counting unique tokens); a micro-batch never
 holds more tokens than its samples unshared; the step is never predicted slower than the
 per-sample candidate, which packs exactly what the plain planner packs (and its micro-batches
-share whatever their samples share). Cost: up to four packings per step.
+share whatever their samples share). Cost: up to four packings per step, trie walks in Python:
+~0.1 s for a 1,000-sample step-wise step at dp 32 (~15 ms planned without sharing).
 """
 
 from __future__ import annotations
