@@ -3,7 +3,8 @@
     python examples/spmd_fsdp_style.py                    # spawns 4 gloo CPU ranks itself
     torchrun --nproc-per-node 4 examples/spmd_fsdp_style.py
 
-Each rank: generate its local rollouts (GRPO groups, numbered locally) → ``local_view`` (all-
+Each rank: generate and score its local rollouts (GRPO groups, numbered locally) inside
+``collective_guard`` (a failure on one rank fails every rank, no hang) → ``local_view`` (all-
 gather lengths) → ``plan_distributed`` (plan + fingerprint agreement; any failure is the same
 PlanError on every rank) → ``exchange_samples`` (tokens and advantages to the ranks that run
 them) → per step, per micro-batch: ``pack_micro`` → model → ``token_logprobs`` →
@@ -18,13 +19,16 @@ from __future__ import annotations
 import os
 import socket
 import sys
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 import microplan as mp
-from microplan.torch.distributed import exchange_outputs, exchange_samples, local_view, plan_distributed
+from microplan.torch.distributed import (
+    collective_guard, exchange_outputs, exchange_samples, local_view, plan_distributed,
+)
 from microplan.torch.loss import token_logprobs, weighted_loss
 from microplan.torch.packing import pack_micro, pack_values
 
@@ -80,7 +84,8 @@ def reference_grad(net: torch.nn.Module, samples: np.ndarray, batch: mp.Batch, t
 
 
 def run(rank: int, world: int) -> None:
-    spec, toks, adv = rollouts(rank)
+    with collective_guard("generating and scoring rollouts"):  # may raise on one rank: every rank raises
+        spec, toks, adv = rollouts(rank)
     view = local_view(spec, local_ids=True)  # every rank numbers its prompts 0..2
     cfg = mp.PlanConfig(dp_size=world, max_tokens_per_micro=CAP, steps=mp.Steps(num_steps=2),
                         loss=mp.Loss("seq-mean-token-mean"))
@@ -119,23 +124,28 @@ def run(rank: int, world: int) -> None:
               f"plan {plan.fingerprint()[:12]} agreed by {world} ranks")
 
 
-def _spawned(rank: int, world: int, port: int) -> None:
+def _spawned(rank: int, fn: Callable[[int, int], None], world: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        run(rank, world)
+        fn(rank, world)
     finally:
         dist.destroy_process_group()
 
 
-if __name__ == "__main__":
+def launch(fn: Callable[[int, int], None], world: int) -> None:
+    """Run ``fn(rank, world)`` on every rank: as launched under torchrun, else on ``world`` gloo CPU ranks."""
     torch.set_num_threads(1)
     if "RANK" in os.environ:  # torchrun
         dist.init_process_group("gloo")
-        run(dist.get_rank(), dist.get_world_size())
+        fn(dist.get_rank(), dist.get_world_size())
         dist.destroy_process_group()
     else:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        torch.multiprocessing.start_processes(_spawned, args=(WORLD, port), nprocs=WORLD, start_method="fork")
+        torch.multiprocessing.start_processes(_spawned, args=(fn, world, port), nprocs=world, start_method="fork")
+
+
+if __name__ == "__main__":
+    launch(run, WORLD)
     sys.exit(0)

@@ -7,15 +7,13 @@ global index, so every rank (and the parent) knows what each tensor must contain
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from _examples import SELF_CHECKING, run_example
 from _gloo import RankError, run_gloo
 
 import microplan as mp
@@ -210,11 +208,9 @@ def test_routes_need_matching_dp_size() -> None:
     assert sorted(np.concatenate([rt.owned(r) for r in range(2)]).tolist()) == [0, 1, 2]
 
 
-@pytest.mark.parametrize("script", ["single_controller.py", "spmd_fsdp_style.py"])
+@pytest.mark.parametrize("script", SELF_CHECKING)
 def test_examples_run_and_check_themselves(script: str) -> None:
-    root = Path(__file__).resolve().parent.parent
-    out = subprocess.run([sys.executable, str(root / "examples" / script)], capture_output=True, text=True,
-                         timeout=90, cwd=root)
+    out = run_example(script, timeout=90)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK step 0" in out.stdout and "OK step 1" in out.stdout, out.stdout
 

@@ -14,9 +14,6 @@ same data, so these assertions can fail.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,6 +23,7 @@ from microplan.torch import pack_micro, token_logprobs, weighted_loss
 
 from _exactness import (COMBOS, DATASETS, KINDS, NAIVE, WORLDS, check_model_weights_agree, layouts, make_batch,
                         make_config, one_thread, packed_vs_unpacked, rank_worker, reference_grads, setup)
+from _examples import GRPO_STEP, run_example
 from _gloo import RankError, run_gloo
 from _tiny_model import make_model, padded_logprobs
 
@@ -139,10 +137,9 @@ def test_reference_uses_every_step_of_every_layout(experiment):
 
 def test_grpo_example_runs_and_is_split_invariant():
     """examples/grpo_step.py end to end on 1 and 2 gloo ranks: same J and gradient norm per step."""
-    script = Path(__file__).resolve().parent.parent / "examples" / "grpo_step.py"
     runs = {}
     for world in (1, 2):
-        out = subprocess.run([sys.executable, str(script), str(world)], capture_output=True, text=True, timeout=180)
+        out = run_example(GRPO_STEP, str(world), timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         steps = re.findall(r"step (\d+): J = ([-+\d.e]+)\s+\|grad\| = ([\d.e+-]+)", out.stdout)
         assert len(steps) == 2 and "plan " in out.stdout, out.stdout

@@ -6,7 +6,9 @@ the "trl" extra).
 
 from __future__ import annotations
 
+import ast
 import inspect
+import re
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ trl_utils = pytest.importorskip("trl.trainer.utils", reason="trl is not installe
 
 import microplan as mp  # noqa: E402
 import microplan.integrations.trl as mpt  # noqa: E402
+from _examples import TRL_GRPO, run_example  # noqa: E402
 
 
 def _generation_batch(rows: int = 24, P: int = 12, T: int = 64, seed: int = 0) -> dict:
@@ -95,60 +98,19 @@ def test_install_checks_the_loss_and_patches_the_grpo_module():
         mpt.split_tensor_dict(_generation_batch(rows=2), 3)
 
 
-def _grpo_step(patch: bool) -> tuple[torch.Tensor, list]:
-    """One optimizer step of TRL's real GRPOTrainer (tiny float64 Llama, word-level tokenizer, CPU,
-    SGD lr 1, no clipping): returns the parameter update and the chunk shapes the split produced."""
-    from datasets import Dataset
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    from trl import GRPOConfig, GRPOTrainer
-    import trl.trainer.grpo_trainer as grpo
-
-    vocab = {f"w{i}": i for i in range(28)} | {"<pad>": 28, "<eos>": 29, "<bos>": 30, "<unk>": 31}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tk = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>",
-                                 unk_token="<unk>")
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, max_position_embeddings=128, pad_token_id=28, eos_token_id=29,
-                      bos_token_id=30)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg).double()
-    with torch.no_grad():
-        model.lm_head.weight[29] += 2.5  # <eos> likely: completions of several lengths
-    before = [p.detach().clone() for p in model.parameters()]
-    data = Dataset.from_dict({"prompt": [" ".join(f"w{(i * 7 + j) % 28}" for j in range(1 + i % 5)) for i in range(16)]})
-    args = GRPOConfig(output_dir="trl-out", per_device_train_batch_size=4, num_generations=4, max_completion_length=24,
-                      steps_per_generation=2, gradient_accumulation_steps=2, max_steps=1, report_to="none",
-                      use_cpu=True, save_strategy="no", seed=0, optim="sgd", learning_rate=1.0,
-                      lr_scheduler_type="constant", max_grad_norm=0.0, disable_tqdm=True)
-    trainer = GRPOTrainer(model=model, reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
-                          args=args, train_dataset=data, processing_class=tk)
-    if patch:
-        mpt.install(trainer)
-    split, shapes = grpo.split_tensor_dict, []
-
-    def spy(d, k):
-        out = split(d, k)
-        shapes.append([tuple(c["completion_ids"].shape) for c in out])
-        return out
-    grpo.split_tensor_dict = spy
-    try:
-        trainer.train()
-    finally:
-        grpo.split_tensor_dict = split
-        mpt.uninstall()
-    return torch.cat([(p.detach() - b).flatten() for p, b in zip(trainer.model.parameters(), before)]), shapes
-
-
-def test_a_real_grpo_step_gives_the_same_update_as_trls_split(tmp_path, monkeypatch):
-    """GRPOTrainer (loss_type 'dapo', TRL's default) trained one step with TRL's split and with the
-    drop-in: same completions, the drop-in's chunks trimmed to their own width, and the same
-    parameter update to 1e-6 (measured 1.8e-9: HF's RMSNorm computes in float32)."""
-    monkeypatch.chdir(tmp_path)
-    theirs, their_shapes = _grpo_step(False)
-    ours, our_shapes = _grpo_step(True)
+def test_a_real_grpo_step_gives_the_same_update_as_trls_split(tmp_path):
+    """examples/trl_grpo.py: GRPOTrainer (loss_type 'dapo', TRL's default; tiny float64 Llama, CPU,
+    SGD lr 1, no clipping) trained one step with TRL's split and with the drop-in: same rows, the
+    drop-in's chunks trimmed to their own width, and the same parameter update to 1e-6 (measured
+    1.8e-9: HF's RMSNorm computes in float32). The example checks it too; this re-checks its figures."""
+    out = run_example(TRL_GRPO, timeout=240, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    figure = lambda label: re.search(rf"^{label}: (.*)$", out.stdout, flags=re.M)[1]  # noqa: E731
+    their_shapes = ast.literal_eval(figure(r"TRL split chunks \(rows, completion width\)"))
+    our_shapes = ast.literal_eval(figure(r"microplan split chunks \(rows, completion width\)"))
+    rel = float(figure("relative difference of the parameter updates"))
     assert len(our_shapes) == len(their_shapes) == 1 and len(our_shapes[0]) == 2
     assert sum(s[0] for s in our_shapes[0]) == sum(s[0] for s in their_shapes[0])  # every row trains
     assert min(s[1] for s in our_shapes[0]) < their_shapes[0][0][1], "no chunk was trimmed"
-    assert float((ours - theirs).norm() / theirs.norm()) < 1e-6
+    assert rel < 1e-6
+    assert "OK every row trains" in out.stdout

@@ -78,7 +78,7 @@ def _row_tokens(d: dict[str, Any], rows: int) -> np.ndarray:
 
 def _take(d: dict[str, Any], idx: np.ndarray, trim: bool) -> dict[str, Any]:
     import torch
-    rows = torch.as_tensor(idx, dtype=torch.long)
+    rows = torch.tensor(idx, dtype=torch.long)  # a copy: the plan's index arrays are read-only
     out: dict[str, Any] = {}
     for key, v in d.items():
         if v is None:
