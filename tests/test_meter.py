@@ -163,3 +163,20 @@ def test_planning_with_the_meter_end_to_end():
     assert fit.micro_cost(held) == pytest.approx(TRUTH.micro_cost(held), rel=0.05)
     plan = mp.plan(batch, replace(cfg, cost=fit))
     assert mp.Plan.from_json(plan.to_json()) == plan  # the fitted model serialises with the plan
+
+
+def test_first_step_error_is_scale_free_against_a_flops_prior():
+    """Before any record the meter hands out its prior, which may be in FLOPs: the first step's
+    drift report measures its shape (after one rescale), not the FLOPs-vs-seconds unit gap."""
+    prior = mp.FlopsCost(linear=6e9, quadratic=2e5, per_micro=0.0)
+    meter = mp.CostMeter(prior=prior)
+    meter.cost()
+    lens = [[512], [1024, 300], [2048], [100, 100, 100]]
+    for L in lens:                                   # the machine: exactly the prior at 1e-14 s per FLOP
+        meter.record(L, 1e-14 * prior.micro_cost(L))
+    rep = meter.report()
+    assert rep.recent_median_error is not None and rep.recent_median_error < 1e-9
+    meter.cost()                                     # a fitted model, in seconds, from now on
+    for L in lens:                                   # attention now 3x dearer: the shape error shows
+        meter.record(L, 1e-14 * mp.FlopsCost(linear=6e9, quadratic=6e5, per_micro=0.0).micro_cost(L))
+    assert meter.report().recent_max_error > 0.05

@@ -62,7 +62,10 @@ class MeterReport:
         cost: the current fit (what :meth:`CostMeter.cost` returns).
         recent_median_error / recent_max_error: ``|predicted/measured - 1|`` of the records made
             since the meter last handed out a model, predicted by that model (None before the
-            first ``cost()`` call or when no record followed it).
+            first ``cost()`` call or when no record followed it). While that model is still the
+            prior (no record had arrived), it may be in other units (FLOPs), so its predictions
+            are first rescaled by the one factor that fits those records best (median ratio):
+            the error of its *shape*.
         fit_median_error: the same for the current fit, in-sample over the window.
         scale: seconds per prior unit (e.g. per FLOP) the records imply.
     """
@@ -81,6 +84,18 @@ class MeterReport:
         fit = "n/a" if self.fit_median_error is None else f"{self.fit_median_error:.1%}"
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
                 f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}")
+
+
+def _errors(pairs: list[tuple[float, float]], scale_free: bool) -> np.ndarray:
+    """``|predicted/measured - 1|`` per record; ``scale_free``: after the best single rescale."""
+    if not pairs:
+        return np.zeros(0)
+    pred, meas = np.array(pairs).T
+    ratio = pred / meas
+    if scale_free:
+        k = float(np.median(ratio))
+        ratio = ratio / k if k > 0 else ratio
+    return np.abs(ratio - 1.0)
 
 
 def _prior_coefficients(prior: CostModel | None) -> np.ndarray:
@@ -132,9 +147,11 @@ class CostMeter:
                             "packed_quadratic is > 0.")
         self._x: deque[np.ndarray] = deque(maxlen=self.window)
         self._y: deque[float] = deque(maxlen=self.window)
-        self._recent: list[float] = []       # errors of records since the last cost() call
-        self._last_recent: list[float] = []  # ... of the interval before (kept for report())
+        self._recent: list[tuple[float, float]] = []       # (predicted, measured) since the last cost()
+        self._last_recent: list[tuple[float, float]] = []  # ... of the interval before (kept for report())
         self._issued: FlopsCost | None = None
+        self._issued_prior = False   # the issued model is the prior: its units may not be seconds
+        self._last_prior = False
         self._fit: CostModel | None = None
         self._scale: float | None = None
         self.num_records = 0
@@ -164,7 +181,7 @@ class CostMeter:
         xd = np.array([T / c, 0.0, T * T / c, 1.0]) if L.size >= 2 else x          # dense-kernel features
         if self._issued is not None:
             pred = self._issued.coefficients() @ (xd if self._issued.dense else x)
-            self._recent.append(abs(float(pred) / s - 1.0))
+            self._recent.append((float(pred), s))
         self._x.append(np.concatenate([x, xd]))
         self._y.append(s)
         self._fit = None
@@ -184,20 +201,22 @@ class CostMeter:
         if isinstance(fit, FlopsCost):
             self._issued = fit
         self._last_recent, self._recent = self._recent, []
+        self._last_prior, self._issued_prior = self._issued_prior, not self._y
         return fit
 
     def report(self) -> MeterReport:
         """Drift and fit quality over the window (see :class:`MeterReport`)."""
         fit = self._current()
-        errs = self._recent or self._last_recent
+        errs = _errors(self._recent, self._issued_prior) if self._recent else \
+            _errors(self._last_recent, self._last_prior)
         fit_err = None
         if self._y and isinstance(fit, FlopsCost):
             X, y = np.array(self._x), np.array(self._y)
             X = X[:, 4:] if fit.dense else X[:, :4]
             fit_err = float(np.median(np.abs(X @ fit.coefficients() / y - 1.0)))
         return MeterReport(num_records=self.num_records, window_records=len(self._y), cost=fit,
-                           recent_median_error=float(np.median(errs)) if errs else None,
-                           recent_max_error=float(np.max(errs)) if errs else None,
+                           recent_median_error=float(np.median(errs)) if errs.size else None,
+                           recent_max_error=float(np.max(errs)) if errs.size else None,
                            fit_median_error=fit_err, scale=self._scale)
 
     def _current(self) -> CostModel:
