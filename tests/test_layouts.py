@@ -204,3 +204,17 @@ def test_layout_config_round_trips():
                         pad_row_to_multiple_of=2, max_vision_tokens_per_micro=100,
                         vision_cost=mp.VisionCost(linear=2.0, quadratic=0.5))
     assert mp.PlanConfig.from_dict(cfg.to_dict()) == cfg
+
+
+@pytest.mark.parametrize("layout", ["padded", "padded-2d"])
+@pytest.mark.parametrize("budget", [dict(max_tokens_per_micro=400), dict(micro_batch_size=2)])
+def test_padded_layouts_keep_pipeline_stages_and_the_k_bound(layout, budget):
+    """Padded K starts from the same minimum as varlen: >= pipeline_stages (a valid plan), and the
+    long-sample term of the bins' lower bound (600-token samples under a 1,000 cap sit alone)."""
+    batch = mp.Batch([100] * 16, prompt_lens=[40] * 16)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, pipeline_stages=4, layout=layout, **budget))
+    plan.validate()
+    assert plan.steps[0].micro_count == 4
+    long = mp.plan(mp.Batch([600] * 100, prompt_lens=[100] * 100),
+                   mp.PlanConfig(dp_size=1, max_tokens_per_micro=1000, layout=layout))
+    assert long.steps[0].micro_count == 100 and long.steps[0].choice.lower_bound == 100

@@ -37,7 +37,7 @@ from .kchoice import KChoice, choose_k, packed_slope, step_time, time_lower_boun
 from .layout import StepLayout
 from .lockstep import refine_lockstep
 from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
-from .padded import pack_padded
+from .padded import PaddedSamples, pack_padded
 from .refine import refine_bins
 
 __all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "fill_targets", "min_micro_count", "pack_at",
@@ -85,13 +85,13 @@ def effective_cap(cfg: PlanConfig) -> int | None:
 
 def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> _Packing:
     """The packing with the K of lowest predicted time; num_bins < dp·K means placeholders."""
+    D, a, n = cfg.dp_size, cfg.align, lens.size
     if layout is not None and layout.padded is not None:
-        return _Packing(*pack_padded(layout.padded, dp=cfg.dp_size, align=cfg.align, cap=effective_cap(cfg),
-                                     micro_batch_size=cfg.micro_batch_size,
+        return _Packing(*pack_padded(layout.padded, K0=_padded_k0(layout.padded, cfg), dp=D, align=a,
+                                     cap=effective_cap(cfg), micro_batch_size=cfg.micro_batch_size,
                                      vision_cap=cfg.max_vision_tokens_per_micro, cost=cfg.cost,  # type: ignore[arg-type]
                                      sync=cfg.sync))
     extra = None if layout is None else layout.extra
-    D, a, n = cfg.dp_size, cfg.align, lens.size
     if cfg.micro_batch_size is not None:
         K = int(min_micro_count(cdiv(cdiv(n, cfg.micro_batch_size), D), cfg))
         m = min(n, D * K)
@@ -108,6 +108,20 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
         pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra),  # m == n: one sample per bin
         time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
     return _Packing(bin_of, min(n, D * K), K, choice)
+
+
+def _padded_k0(ps: PaddedSamples, cfg: PlanConfig) -> int:
+    """The fewest micro-batches per rank a padded step allows: the bins' lower bound on the padded
+    lengths (an [n, W] micro-batch holds n·W >= Σ L), pipeline_stages, align; static batching: its K."""
+    D, n = cfg.dp_size, ps.lens.size
+    if cfg.micro_batch_size is not None:
+        return int(min_micro_count(cdiv(cdiv(n, cfg.micro_batch_size), D), cfg))
+    cap = effective_cap(cfg)
+    assert cap is not None
+    vcap = cfg.max_vision_tokens_per_micro
+    extra = (ps.vision, vcap) if ps.vision is not None and vcap is not None else None
+    return int(min_micro_count(cdiv(bins_lower_bound(round_up(ps.lens, ps.padding.width_multiple), cap, extra), D),
+                               cfg))
 
 
 def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig) -> float:

@@ -311,24 +311,21 @@ def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float
     return bin_of, _time(c, D, K, sync)
 
 
-def pack_padded(s: PaddedSamples, *, dp: int, align: int, cap: int | None, micro_batch_size: int | None,
+def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | None, micro_batch_size: int | None,
                 vision_cap: int | None, cost: CostModel, sync: str) -> PaddedPacking:
-    """Bins for one step in a padded layout, K chosen by predicted time (see the module note)."""
+    """Bins for one step in a padded layout, K chosen by predicted time (see the module note).
+
+    ``K0``: the fewest micro-batches per rank the config allows (``fit.py``: the bins' lower bound,
+    ``pipeline_stages``, ``align``); with ``micro_batch_size`` it is the K.
+    """
     n = s.lens.size
     srt = _Sorted(s, cost)
     caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
     pm = float(cost.per_micro)
-    cdiv = lambda x, d: -(-x // d)  # noqa: E731
     if micro_batch_size is not None:
-        K = cdiv(cdiv(cdiv(n, micro_batch_size), dp), align) * align
-        got = _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync)
+        got = _bins_at(srt, min(n, dp * K0), dp, K0, caps, pm, sync)
         assert got is not None  # a count cap of micro_batch_size always fits min(n, dp·K) runs
-        return PaddedPacking(got[0], min(n, dp * K), K, None)
-    tokens = int(round_up(s.lens, s.padding.width_multiple).sum())
-    need = max(cdiv(tokens, cap), 1)  # type: ignore[operator]
-    if caps[2] is not None:
-        need = max(need, cdiv(int(s.vision.sum()), caps[2]))  # type: ignore[union-attr]
-    K0 = cdiv(cdiv(need, dp), align) * align
+        return PaddedPacking(got[0], min(n, dp * K0), K0, None)
     tried: list[tuple[int, float]] = []
     found: dict[int, tuple[np.ndarray, int]] = {}
     K, worse = K0, 0
@@ -347,7 +344,7 @@ def pack_padded(s: PaddedSamples, *, dp: int, align: int, cap: int | None, micro
         if worse >= 2 or m == n:  # past the best by two steps, or one sample per bin
             break
         K += align
-    if not found:  # cannot happen: m == n always fits (one sample per bin), but stay total
+    if not found:  # MAX_EVALS ran out before any K fitted the caps: walk on (m == n always fits)
         while True:
             m = min(n, dp * K)
             got = _bins_at(srt, m, dp, K, caps, pm, sync)
