@@ -210,11 +210,11 @@ class _Candidate(NamedTuple):
     kept: np.ndarray
     dropped: np.ndarray
     fit: StepFit
-    time: float      # predicted step time under cfg.sync (lockstep Σ_m max_r, or max_r Σ_m)
-    tokens: int      # unique tokens its micro-batches hold
+    time: float              # predicted step time under cfg.sync (lockstep Σ_m max_r, or max_r Σ_m)
+    bin_tokens: np.ndarray   # unique tokens each bin's trie holds
 
     def key(self) -> tuple[int, float, int]:
-        return (self.dropped.size, self.time, self.tokens)
+        return (self.dropped.size, self.time, int(self.bin_tokens.sum()))
 
 
 CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
@@ -244,8 +244,8 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
     except PlanError:  # whole trees may be too few for dp·K micro-batches: finer atoms may fill them
         best = _candidate(s, singles, samples, batch, cfg)  # the plain planner's feasibility
         return _step(s, best, batch, cfg), best.dropped, _why(s, cfg)
-    mean = best.tokens / max(1, cfg.dp_size * best.fit.micro_count)
-    largest = max(_union(m, parent, shared, lens).tokens for m in best.members)
+    mean = best.bin_tokens.sum() / best.bin_tokens.size
+    largest = int(best.bin_tokens.max())
     tried = {cap}
     for frac in CUT_FRACTIONS:
         limit = max(1, int(mean * frac))
@@ -296,7 +296,7 @@ def _candidate(s: int, atoms: list[_Part], samples: np.ndarray, batch: Batch, cf
     grid = arrange(bc, D, K)
     times = bc[grid]
     time = float(times.max(axis=0).sum()) if cfg.sync == "micro" else float(times.sum(axis=1).max())
-    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, time, int(U.sum()))
+    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, time, U)
 
 
 def _union(members: list[int], parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> _Part:
