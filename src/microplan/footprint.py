@@ -23,8 +23,8 @@ resource with their own cap (``max_vision_tokens_per_micro``) and cost (``Vision
 A row multiple is the same constraint as a lower cap for any additive packer:
 ⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r, so varlen layouts reuse the planner's packers on padded sample
 lengths under :func:`packing_cap`; padded layouts, whose footprint is not a sum over samples,
-have their own stage (``stages/padded.py``). Future footprints (a prefix tree whose GPU
-footprint is its trie size) implement the same methods. Trade-off (benchmarks/bench_layouts.py):
+have their own stage (``stages/padded.py``). Prefix-shared micro-batches (``stages/share.py``)
+occupy their trie's unique tokens and are priced from it directly. Trade-off (benchmarks/bench_layouts.py):
 padded layouts waste ~1–3 % tokens on long-tailed steps at the K the planner picks, for a
 lockstep/LB some percent above varlen's.
 """
@@ -148,15 +148,6 @@ class Footprint:
         if self.padded:
             return int(idx.size) * self.width(idx)
         return int(round_up(int(self.sample_tokens[idx].sum()), self.padding.row_multiple))
-
-    def shape(self, idx: np.ndarray) -> np.ndarray:
-        """The sequence lengths the kernels run for these samples (what the cost model sees)."""
-        idx = np.asarray(idx, dtype=np.int64)
-        if self.padded:
-            return np.full(idx.size, self.width(idx), dtype=np.int64)
-        pad = self.row_pad(idx)
-        lens = self.sample_tokens[idx]
-        return np.append(lens, pad) if pad else lens.copy()
 
     def vision(self, idx: np.ndarray) -> int:
         """Vision tokens (patches) of these samples (0 without vision)."""

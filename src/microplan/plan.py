@@ -19,8 +19,7 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import footprint_of, micro_footprint
-from .prefix import micro_tree
-from .stages.share import forest_of
+from .prefix import forest_of, micro_tree
 from .stats import compute_stats
 from .types import KChoice, Micro, PlanStats, Step
 from .validate import validate_plan

@@ -45,9 +45,8 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
 def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None = None) -> Plan:
     """:func:`plan` with a minimum micro-batch count per rank and step (local placement only).
 
-    ``min_micro_count`` defaults to ``config.pipeline_stages`` where the config has that field
-    (K ≥ p), else 1. Integrations whose framework asks for a minimum count (verl's
-    ``min_num_micro_batch``) pass it here.
+    ``min_micro_count`` defaults to ``config.pipeline_stages`` (K ≥ p). Integrations whose
+    framework asks for a minimum count (verl's ``min_num_micro_batch``) pass it here.
     """
     if not isinstance(batch, Batch):
         raise PlanError(f"plan() takes a microplan.Batch, got {type(batch).__name__}; wrap lengths as Batch(seq_lens).")
@@ -78,7 +77,7 @@ def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None 
     for samples in split.steps:
         step, dropped, why = step_planner(len(steps), samples, batch, costs, config)
         if config.pipeline_stages > 1:  # run each rank's micro-batches in the order of least pipeline time
-            step = order_step(step, step_cost_grid(batch, config, step), config)
+            step = order_step(step, step_cost_grid(batch, config, step, fp), config)
         reasons.update((int(i), why) for i in dropped)
         steps.append(step)
     return Plan(batch=batch, config=config, steps=steps, dropped=np.array(sorted(reasons), dtype=np.int64),
@@ -108,8 +107,8 @@ def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
 
 
 def _min_count(config: PlanConfig, given: int | None) -> int:
-    """The minimum K hook: the explicit value, else ``config.pipeline_stages`` when the config has it."""
-    value = given if given is not None else getattr(config, "pipeline_stages", 1)
+    """The minimum K hook: the explicit value, else ``config.pipeline_stages``."""
+    value = given if given is not None else config.pipeline_stages
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise PlanError(f"min_micro_count={value!r} must be an int >= 1 (micro-batches per rank per step).")
     return int(value)

@@ -35,7 +35,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "tree_roots", "dfs_order", "sample_forest"]
+__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "sample_forest"]
 
 
 @dataclass(frozen=True)
@@ -134,14 +134,12 @@ def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members
     return PrefixTree(i64(owners), i64(par), i64(start), i64(end), i64(mem), i64(anchor))
 
 
-def tree_roots(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
-    """Root sample of every sample (following parents with a positive shared prefix)."""
-    n = parent.size
-    root = np.arange(n, dtype=np.int64)
-    linked = (parent >= 0) & (shared > 0)
-    for i in np.flatnonzero(linked).tolist():  # parents are earlier: their root is final
-        root[i] = root[parent[i]]
-    return root
+def forest_of(batch: Any) -> tuple[np.ndarray, np.ndarray]:
+    """(prefix_parent, shared_prefix_lens) of a Batch; a flat forest (no sharing) when none is declared."""
+    if batch.prefix_parent is None:
+        n = batch.num_samples
+        return np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
+    return batch.prefix_parent, batch.shared_prefix_lens
 
 
 def sample_forest(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> tuple[list[int], dict[int, list[int]]]:

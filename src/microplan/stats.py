@@ -25,9 +25,9 @@ from .batch import Batch
 from .config import PlanConfig
 from .cost.models import bin_costs
 from .footprint import Footprint, footprint_of, packing_cap
-from .prefix import PrefixTree, micro_tree
+from .prefix import PrefixTree, forest_of, micro_tree
+from .stages.assign import grid_time
 from .stages.kchoice import best_lower_bound
-from .stages.share import forest_of
 from .stages.pipeline import BACKWARD_RATIO, step_pipeline_time
 from .types import PlanStats, Step, StepStats
 
@@ -141,13 +141,13 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         lb = step_lower_bound(batch, cfg, idx, k_lb, fp)
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
-        lock_s, sync_s = float(grid.max(axis=0).sum()), float(grid.sum(axis=1).max())
+        lock_s, sync_s = grid_time(grid, "micro"), grid_time(grid, "step")
         pipe = step_pipeline_time(grid, cfg, backward_ratio=0.0 if forward else BACKWARD_RATIO) \
             if cfg.pipeline_stages > 1 else (lock_s if cfg.sync == "micro" else sync_s)
         per_step.append(StepStats(
             num_samples=n, num_tokens=tokens, micro_count=step.micro_count, micro_count_lower_bound=k_lb,
             num_placeholders=step.num_placeholders, max_micro_tokens=step_max,
-            lockstep_time=float(grid.max(axis=0).sum()), step_sync_time=float(grid.sum(axis=1).max()),
+            lockstep_time=lock_s, step_sync_time=sync_s,
             time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice,
             tokens_with_sharing=held, tokens_lower_bound=unique,
             pipeline_time=pipe, pipeline_bubble=_bubble(lock_s if cfg.sync == "micro" else sync_s, pipe, cfg)))

@@ -251,7 +251,9 @@ class PlanStats:
         predicted_time: Σ over steps of the step time under the config's ``sync`` mode.
         lockstep_time: Σ_steps Σ_m max_r cost(r, m)  (every micro-batch a sync point).
         step_sync_time: Σ_steps max_r Σ_m cost(r, m)  (ranks meet once per step).
-        time_lower_bound: Σ_steps max(Σ cost / dp + K_lb · per_micro, max sample cost + per_micro).
+        time_lower_bound: Σ_steps of each step's bound min_K LB(K) over the K the config allows
+            (``stages/kchoice.py``: work / GPUs + K · per_micro with the packed-row term at its
+            Jensen minimum, the longest sample, and under lockstep the slot bound).
         rank_imbalance: max / mean of the ranks' total cost over the plan (1.0 = perfect).
         steps: per-step :class:`StepStats`.
         tokens_without_sharing: Σ seq_lens of the planned samples (each sample packed alone).

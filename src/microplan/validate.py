@@ -21,8 +21,7 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import Footprint, footprint_of, micro_footprint
-from .prefix import micro_tree
-from .stages.share import forest_of
+from .prefix import forest_of, micro_tree
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step, _same_rules
 

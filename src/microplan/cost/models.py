@@ -100,11 +100,9 @@ def micro_features(seq_lens: Sequence[int] | np.ndarray, *, dense: bool = False)
 
 
 def is_additive(cost: CostModel) -> bool:
-    """True when the model has no term in the packed total T (the micro cost is a sum over samples)."""
-    pq = getattr(cost, "packed_quadratic", None)
-    if pq is not None:
-        return float(pq) == 0.0
-    return not hasattr(cost, "packed_costs")
+    """True when the model has no term in the packed total T (the micro cost is a sum over
+    samples): a packed-row term is ``packed_quadratic > 0`` (a model without the field has none)."""
+    return float(getattr(cost, "packed_quadratic", 0.0)) == 0.0
 
 
 def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray, counts: np.ndarray | int) -> np.ndarray:
@@ -117,9 +115,7 @@ def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray, counts:
         return out
     T = np.asarray(tokens, dtype=np.float64)
     multi = np.asarray(counts) >= 2
-    packed = cost.packed_costs(T)  # type: ignore[attr-defined]
-    row = float(getattr(cost, "linear", 0.0)) * T + packed + float(cost.per_micro) \
-        if hasattr(cost, "linear") else out + packed
+    row = float(getattr(cost, "linear", 0.0)) * T + cost.packed_costs(T) + float(cost.per_micro)  # type: ignore[attr-defined]
     return np.where(multi, row, out)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["arrange"]
+__all__ = ["arrange", "grid_time"]
 
 
 def arrange(micro_costs: np.ndarray, dp: int, K: int) -> np.ndarray:
@@ -31,3 +31,11 @@ def arrange(micro_costs: np.ndarray, dp: int, K: int) -> np.ndarray:
         grid[ranks, m] = block
         rank_load[ranks] += micro_costs[block]
     return grid
+
+
+def grid_time(grid: np.ndarray, sync: str) -> float:
+    """Predicted step time of a ranks × slots cost grid: Σ_m max_r under ``sync="micro"`` (every
+    micro-batch is a sync point), max_r Σ_m under ``"step"`` (ranks meet once per step)."""
+    if grid.size == 0:
+        return 0.0
+    return float(grid.max(axis=0).sum()) if sync == "micro" else float(grid.sum(axis=1).max())

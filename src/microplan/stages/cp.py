@@ -40,7 +40,7 @@ from ..config import ContextParallel, PlanConfig
 from ..cost.models import bin_costs
 from ..errors import PlanError
 from ..types import Micro, Step
-from .assign import arrange
+from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
 from .micros import binned_micros
 from .pack import lpt_pack_wide
@@ -266,9 +266,7 @@ class _Candidate(NamedTuple):
 
 def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
     """Predicted step time of a ranks × slots per-GPU cost grid (per_micro included)."""
-    if cfg.sync == "micro":
-        return float(rank_cost.max(axis=0).sum())
-    return float(rank_cost.sum(axis=1).max())
+    return grid_time(rank_cost, cfg.sync)
 
 
 def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,

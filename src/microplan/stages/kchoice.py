@@ -12,7 +12,9 @@ GPUs and B <= min(dp·K, n) micro-batches the step time under either sync mode i
 the longest, N_B tokens — escape it).
 
 - Additive costs (g ≡ 0): LB is non-decreasing in K, so the fewest micro-batches that fit the
-  cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows only when packing fails.
+  cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows when packing fails, or —
+  ``probe="slack"`` — by one step when the packed plan sits more than ``SLACK`` above its bound
+  and the next K packs faster (a cap-tight K leaves no room to balance; ``"walk"`` keeps going).
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K). The search
   packs K_lb and argmin LB(K) over the aligned K without placeholders, then runs a pattern
   search on the *packed* plans' predicted times (±step, doubled after an improvement, halved
@@ -33,7 +35,7 @@ import numpy as np
 
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
-from .assign import arrange
+from .assign import arrange, grid_time
 
 __all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
            "choose_k", "SLACK"]
@@ -56,8 +58,7 @@ def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarr
     if width > 1:
         mc = (mc - cost.per_micro) / width + cost.per_micro
     grid = arrange(mc, dp, K)
-    per = mc[grid]
-    return float(per.max(axis=0).sum()) if sync == "micro" else float(per.sum(axis=1).max())
+    return grid_time(mc[grid], sync)
 
 
 def packed_slope(cost: CostModel, T: float) -> float:

@@ -41,7 +41,7 @@ from ..config import PlanConfig
 from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
 from ..types import KChoice, Micro, Step
-from .assign import arrange
+from .assign import arrange, grid_time
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
 from .micros import binned_micros
@@ -120,7 +120,7 @@ def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig) 
 def _time(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig) -> float:
     """Predicted step time with every rank's micro-batches heaviest first."""
     grid = -np.sort(-_rank_costs(ranks, bins, K, cfg), axis=1)
-    return float(grid.max(axis=0).sum()) if cfg.sync == "micro" else float(grid.sum(axis=1).max())
+    return grid_time(grid, cfg.sync)
 
 
 def _min_count(ranks: _Ranks, cfg: PlanConfig) -> int:

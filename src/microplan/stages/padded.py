@@ -2,8 +2,8 @@
 
 Design note. In a padded layout a micro-batch of n samples is an ``[n, W]`` tensor, W its
 longest sample (``padded-2d``: longest prompt + longest response) rounded up to the width
-multiple; it occupies n·W tokens and costs n·s(W) + g(n·W) + per_micro (every row runs as a
-row of W). Padding is low when a micro-batch holds samples of similar length, so bins are
+multiple; it occupies n·W tokens and costs n·r(W) + per_micro: every row runs as its own
+sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs of a masked row). Padding is low when a micro-batch holds samples of similar length, so bins are
 *contiguous runs* of the samples sorted by length (descending; 2D: by response length in
 quarter-octave buckets, then by prompt length, so a run shares both its longest prompt and its
 longest response — measured 1.09 padded/real tokens against 1.15 when sorting 2D rows by total
@@ -102,11 +102,9 @@ class _Sorted:
         return self._tables is not None
 
     def closed_form(self, tau: float) -> np.ndarray | None:
-        """1D runs without vision cost: the most samples k with k·s(W) + pq·(k·W)² <= τ for every
-        start (W = the start's padded length), or None when the cost has another packed term."""
+        """1D runs without vision cost: the most samples k with k·r(W) <= τ for every start (W = the
+        start's padded length, r = ``row_costs`` of a multi-row micro-batch); None for 2D or vision."""
         if self._tables is not None or self.xcum is not None:
-            return None
-        if hasattr(self.cost, "packed_costs") and not hasattr(self.cost, "packed_quadratic"):
             return None
         w = round_up(self.L, self.unit).astype(np.float64)
         s = row_costs(self.cost, w, 2)  # rows of a multi-row micro-batch (a lone row may cost less)
@@ -166,7 +164,7 @@ def _cap_bound(srt: _Sorted, cap: int | None, max_count: int | None, vcap: int |
 def _max_run(srt: _Sorted, tau: float, bound: np.ndarray, cap: int | None) -> np.ndarray:
     """For every start a: the longest run from a within cost τ and the caps (>= 1)."""
     closed = srt.closed_form(tau)
-    if closed is not None:  # 1D, cost k·s(W) + pq·(k·W)²: solve for k
+    if closed is not None:  # 1D, cost k·r(W): solve for k
         return np.clip(closed, 1, bound)
     n = srt.n
     a = np.arange(n, dtype=np.int64)

@@ -40,21 +40,13 @@ from ..batch import Batch
 from ..config import PlanConfig
 from ..cost.models import bin_costs
 from ..errors import PlanError
-from ..prefix import dfs_order, micro_tree, sample_forest
+from ..prefix import dfs_order, forest_of, micro_tree, sample_forest
 from ..types import Micro, Step
-from .assign import arrange
+from .assign import arrange, grid_time
 from .fit import StepFit, effective_cap, fit_step
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["plan_shared_step", "forest_of"]
-
-
-def forest_of(batch: Batch) -> tuple[np.ndarray, np.ndarray]:
-    """(prefix_parent, shared_prefix_lens) of the batch; a flat forest when none is declared."""
-    if batch.prefix_parent is None:
-        n = batch.num_samples
-        return np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64)
-    return batch.prefix_parent, batch.shared_prefix_lens  # type: ignore[return-value]
+__all__ = ["plan_shared_step"]
 
 
 class _Part:
@@ -294,9 +286,7 @@ def _candidate(s: int, atoms: list[_Part], samples: np.ndarray, batch: Batch, cf
     counts = np.array([len(m) for m in members], dtype=np.int64)
     bc = bin_costs(cost, cost.tree_costs(U, D2), U, counts)  # type: ignore[union-attr,arg-type]
     grid = arrange(bc, D, K)
-    times = bc[grid]
-    time = float(times.max(axis=0).sum()) if cfg.sync == "micro" else float(times.sum(axis=1).max())
-    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, time, U)
+    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, grid_time(bc[grid], cfg.sync), U)
 
 
 def _union(members: list[int], parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> _Part:
