@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import microplan as mp
-from microplan.cost.calibrate import FIELDS, CalibrationResult, _nnls, calibrate, calibration_row
+from microplan.cost.calibrate import FIELDS, CalibrationResult, calibrate, calibration_row, nnls
 from microplan.cost import FlopsCost, TokenCost, cost_from_dict, forward_flops
 
 # Published dimensions (the models' config.json files).
@@ -364,7 +364,7 @@ def test_nnls_satisfies_kkt(seed, n):
     rng = np.random.default_rng(seed)
     a = rng.standard_normal((n, 3))
     b = rng.standard_normal(n)
-    x = _nnls(a, b)
+    x = nnls(a, b)
     assert _kkt_ok(a, b, x)
 
 

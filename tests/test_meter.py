@@ -180,3 +180,29 @@ def test_first_step_error_is_scale_free_against_a_flops_prior():
     for L in lens:                                   # attention now 3x dearer: the shape error shows
         meter.record(L, 1e-14 * mp.FlopsCost(linear=6e9, quadratic=6e5, per_micro=0.0).micro_cost(L))
     assert meter.report().recent_max_error > 0.05
+
+
+def test_a_prefix_tree_micro_is_recorded_as_the_work_it_ran():
+    """A shared-prefix Micro runs its trie (unique tokens, depth-priced attention), not its samples
+    unshared: the meter prices it with the same features as the planner (micro_cost)."""
+    batch = mp.Batch([300, 320, 340, 500, 90, 400], prefix_parent=[-1, 0, 0, -1, -1, 4],
+                     shared_prefix_lens=[0, 250, 250, 0, 0, 80])
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=900, share_prefixes=True))
+    micros = [m for m in plan.rank(0)[0]]
+    assert any(m.tree is not None and m.num_tokens < int(m.seq_lens.sum()) for m in micros)
+    prior = mp.FlopsCost(linear=6e9, quadratic=2e5, per_micro=1e11)
+    meter = mp.CostMeter(prior=prior)
+    meter.cost()
+    for m in micros:                                 # the machine is exactly the prior, in seconds
+        meter.record(m, 1e-14 * prior.micro_cost(m))
+    assert meter.report().recent_max_error < 1e-9
+
+
+def test_a_packed_tree_row_is_refused_by_micro_cost():
+    from microplan.torch import pack_micro
+    batch = mp.Batch([6, 7], prefix_parent=[-1, 0], shared_prefix_lens=[0, 4])
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=20, share_prefixes=True))
+    toks = [np.arange(6), np.concatenate([np.arange(4), [50, 51, 52]])]
+    packed = pack_micro(plan.rank(0)[0][0], toks)
+    with pytest.raises(mp.PlanError, match="pass the plan's Micro"):
+        mp.FlopsCost(linear=1.0, quadratic=1e-3).micro_cost(packed)

@@ -7,7 +7,8 @@
 - ``calibrate``: fit a model to timed rows (exact nonnegative least squares).
 - ``meter``: :class:`CostMeter`, the online loop — record micro-batch timings, plan the next
   step with the refitted model, see the drift.
-The planner's stages see a cost model only through ``sample_costs``/``packed_costs``/``per_micro``.
+The planner's stages price micro-batches only through ``models.bin_costs`` / ``row_costs`` (and
+``tree_costs`` for prefix tries); ``micro_cost`` and ``micro_features`` give the same price per micro-batch.
 """
 
 from .calibrate import FIELDS, CalibrationResult, calibrate, calibration_row

@@ -2,21 +2,24 @@
 
 Each measured row is one timed unit of work (a micro-batch, or a whole step on one rank) and
 says how much it did: ``tokens`` (Σ L over its samples), ``sum_sq_len`` (Σ L²), ``num_micros``
-(micro-batches it ran), optionally ``packed_sq`` (Σ over its micro-batches of T², T = the
-micro-batch's packed tokens, over the micro-batches that hold two or more samples: a lone sample
-runs unmasked) and ``seconds``. The model is linear in its coefficients::
+(micro-batches it ran), ``seconds``, and for a dense kernel ``packed_sq`` (Σ T² over its
+micro-batches of two or more samples, T = the micro-batch's packed tokens) and ``lone_sq``
+(Σ L² over its one-sample micro-batches, which run unmasked). :func:`calibration_row` builds
+a row from the lengths (``cost.models.micro_features``). The two regimes::
 
-    seconds ≈ linear·tokens + quadratic·sum_sq_len + packed_quadratic·packed_sq + per_micro·num_micros
+    varlen:  seconds ≈ linear·tokens + quadratic·sum_sq_len + per_micro·num_micros
+    dense:   seconds ≈ linear·tokens + quadratic·lone_sq + packed_quadratic·packed_sq + per_micro·num_micros
 
 Design note:
 
 1. Validate rows (finite, ``tokens > 0``, ``tokens ≤ sum_sq_len ≤ tokens²`` since every
-   L ≥ 1, ``sum_sq_len ≤ packed_sq``, ``num_micros ≥ 1``, ``seconds > 0``) and refuse fewer rows
-   than coefficients.
+   L ≥ 1, ``0 ≤ packed_sq ≤ tokens²``, ``0 ≤ lone_sq ≤ sum_sq_len``, ``num_micros ≥ 1``,
+   ``seconds > 0``) and refuse fewer rows than coefficients.
 2. Scale each column to unit norm (tokens and Σ L² differ by ~10 orders of magnitude) and refuse
    a design whose scaled columns are (near-)collinear: those coefficients are not identifiable.
-   The packed term is fitted when the rows carry ``packed_sq`` and separate it from Σ L² (some
-   micro-batch packs several samples); ``packed=True`` insists, ``packed=False`` leaves it out.
+   The dense regime is fitted when every row carries ``packed_sq`` and ``lone_sq`` and some
+   micro-batch packs several samples, and kept when it explains the rows better;
+   ``packed=True`` insists, ``packed=False`` leaves it out.
 3. Solve nonnegative least squares exactly by enumerating the supports: least squares on each
    support, keep the feasible (all ≥ 0) solution with the smallest residual. The NNLS optimum is
    the least-squares solution on its own support (KKT), so the enumeration finds it; no scipy.
@@ -43,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from .models import FlopsCost
+from .models import FlopsCost, micro_features
 from ..errors import PlanError
 
 __all__ = ["FIELDS", "OPTIONAL_FIELDS", "CalibrationResult", "calibrate", "calibration_row", "nnls"]
@@ -104,14 +107,12 @@ def calibration_row(micro_seq_lens: Sequence[int] | Sequence[Sequence[int]], sec
     """
     items = list(micro_seq_lens)
     micros = items if items and all(isinstance(m, (Sequence, np.ndarray)) for m in items) else [items]
-    lens = [float(x) for m in micros for x in m]
-    if not lens:
+    if not any(len(m) for m in micros):
         raise PlanError("calibration_row got no sample lengths; pass the lengths of the samples that ran.")
-    arr = np.asarray(lens)
-    packed = sum(float(np.sum(np.asarray(m, dtype=np.float64))) ** 2 for m in micros if len(m) >= 2)
-    lone = sum(float(np.asarray(m, dtype=np.float64)[0]) ** 2 for m in micros if len(m) == 1)
-    return {"tokens": float(arr.sum()), "sum_sq_len": float((arr * arr).sum()),
-            "num_micros": float(len(micros)), "seconds": float(seconds), "packed_sq": packed, "lone_sq": lone}
+    varlen = sum(micro_features(m) for m in micros)             # [Σ L, Σ L², 0, micro-batches]
+    dense = sum(micro_features(m, dense=True) for m in micros)  # [Σ L, Σ lone L², Σ packed T², micro-batches]
+    return {"tokens": float(varlen[0]), "sum_sq_len": float(varlen[1]), "num_micros": float(varlen[3]),
+            "seconds": float(seconds), "packed_sq": float(dense[2]), "lone_sq": float(dense[1])}
 
 
 def _columns(rows: Any) -> dict[str, np.ndarray]:
@@ -190,12 +191,8 @@ def _packed_rules(cols: dict[str, np.ndarray]) -> tuple:
 
 
 def nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||a·x - b|| subject to x >= 0, exactly (see the module note); ``a`` has <= ~5 columns."""
-    return _nnls(a, b)
-
-
-def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin ||a·x - b|| subject to x >= 0, exactly, by enumerating supports (k <= ~4 columns)."""
+    """argmin ||a·x - b|| subject to x >= 0, exactly, by enumerating supports (see the module
+    note): 2^k − 1 small least-squares solves, so ``a`` has a handful of columns (<= ~5)."""
     k = a.shape[1]
     best, best_res = np.zeros(k), float(b @ b)
     for size in range(1, k + 1):
@@ -324,5 +321,5 @@ def _fit(cols: dict[str, np.ndarray], names: list[str], w: np.ndarray, n: int,
                         "sum_sq_len and num_micros are (nearly) proportional across rows. Time rows that differ "
                         "in sequence lengths (short and long samples) and in micro-batches per row.")
     norms = np.linalg.norm(a, axis=0)
-    x = _nnls(a / norms, cols["seconds"] * w) / norms
+    x = nnls(a / norms, cols["seconds"] * w) / norms
     return names, dict(zip(names, (float(v) for v in x))), design @ x

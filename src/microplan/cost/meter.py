@@ -43,7 +43,7 @@ import numpy as np
 from .._checks import float_field, int_field
 from ..errors import PlanError
 from .calibrate import nnls
-from .models import CostModel, FlopsCost, TokenCost
+from .models import CostModel, FlopsCost, TokenCost, micro_features
 
 __all__ = ["CostMeter", "MeterReport"]
 
@@ -171,14 +171,14 @@ class CostMeter:
             raise PlanError(f"CostMeter.record needs the micro-batch's sample lengths (or its Micro), got "
                             f"{type(seq_lens).__name__}.") from None
         if L.size == 0:
-            L = np.ones(1)
+            L = np.ones(1)  # a placeholder runs one dummy token
         if not np.all(np.isfinite(L)) or L.min() < 1:
             raise PlanError("CostMeter.record: sample lengths must be finite and >= 1.")
         s = float_field("CostMeter.record(seconds)", seconds, positive=True)
-        T = float(L.sum())
-        sq = float((L * L).sum())
-        x = np.array([T / c, sq / c, 0.0, 1.0])                                   # varlen features
-        xd = np.array([T / c, 0.0, T * T / c, 1.0]) if L.size >= 2 else x          # dense-kernel features
+        what = seq_lens if getattr(seq_lens, "tree", None) is not None else L  # a tree Micro: its trie's work
+        per_gpu = np.array([1.0 / c, 1.0 / c, 1.0 / c, 1.0])                     # each GPU of a CP group
+        x = micro_features(what) * per_gpu                                        # varlen features
+        xd = micro_features(what, dense=True) * per_gpu                           # dense-kernel features
         if self._issued is not None:
             pred = self._issued.coefficients() @ (xd if self._issued.dense else x)
             self._recent.append((float(pred), s))

@@ -21,9 +21,10 @@ of lengths L_1..L_n packed into a row of T = Σ L tokens (``micro_features``)::
   sample runs ~1.7x faster than a masked pack of the same length).
 - ``per_micro``: fixed cost per micro-batch a rank runs (launches, FSDP gathers, sync).
 
-The planner reads a model through :meth:`sample_costs` (the additive part per sample),
-:meth:`packed_costs` (the part in T) and ``per_micro``; :meth:`micro_cost` (binding) is their
-sum for one micro-batch. Units are whatever the coefficients are in: FLOPs for
+The planner reads a model through :func:`bin_costs` / :func:`row_costs` (from
+:meth:`sample_costs`, the additive part per sample, and — for a dense model — ``linear``,
+:meth:`packed_costs` and ``packed_quadratic``), ``per_micro``, and ``tree_costs`` for prefix
+tries; :meth:`micro_cost` (binding) is the same price for one micro-batch. Units are whatever the coefficients are in: FLOPs for
 :meth:`FlopsCost.from_hf_config`, seconds after calibration, profiling or metering.
 
 Guarantees: coefficients are finite and >= 0 (validated with messages naming the field);
@@ -89,6 +90,9 @@ def micro_features(seq_lens: Sequence[int] | np.ndarray, *, dense: bool = False)
     sample): U and that sum stand for Σ L and Σ L².
     """
     tree = getattr(seq_lens, "tree", None)
+    if tree is not None and not hasattr(tree, "depth_sq"):  # a PackedMicro's TreeLayout: segments, not samples
+        raise PlanError("micro_features/micro_cost got a packed prefix-tree row (PackedMicro): its seq_lens are "
+                        "trie segments, not samples; pass the plan's Micro instead.")
     if tree is not None:
         T, sq, n = float(tree.num_tokens), float(tree.depth_sq), int(tree.members.size)
     else:
@@ -242,10 +246,12 @@ class FlopsCost:
     def crossover_len(self) -> float:
         """The L at which one sample's attention cost equals its linear cost.
 
-        ``linear / (quadratic + packed_quadratic)`` (a lone sample has T = L); ``inf`` without
-        attention terms. Below it a sample's cost grows ~linearly with L, above it ~quadratically.
+        ``linear / quadratic``: a lone sample runs per-sample attention, also under a dense kernel
+        (no mask: its causal path); a dense model without that term prices it as a row of T = L
+        (``linear / packed_quadratic``). ``inf`` without attention terms. Below it a sample's cost
+        grows ~linearly with L, above it ~quadratically.
         """
-        q = self.quadratic + self.packed_quadratic
+        q = self.quadratic if self.quadratic > 0 else self.packed_quadratic
         return float("inf") if q == 0.0 else self.linear / q
 
     def describe(self) -> str:

@@ -112,7 +112,7 @@ class MicroTimer:
         """Resolve and ``meter.record(micro, seconds)`` each timing (a ``CostMeter``); returns them."""
         out = self.resolve()
         for m, s in out:
-            meter.record(m, max(s, 1e-9))  # a Micro or PackedMicro carries its lengths and CP degree
+            meter.record(m, max(s, 1e-9))  # time the plan's Micro: its lengths, trie and CP degree
         return out
 
 
@@ -150,7 +150,7 @@ def lockstep_records(micros: Sequence[Sequence[Any]], seconds: Sequence[Sequence
         raise PlanError("lockstep_records: every rank must have the same number of micro-batches (a lockstep step).")
     out = []
     for m in range(k):
-        pred = [cost.micro_cost(getattr(row[m], "seq_lens", row[m])) for row in micros]
+        pred = [cost.micro_cost(row[m]) for row in micros]  # a Micro: its trie, if it holds one
         r = int(np.argmax(pred))
         out.append(MicroTiming(micros[r][m], float(max(row[m] for row in seconds))))
     return out
