@@ -155,3 +155,30 @@ def test_placeholders_run_and_are_dropped():
         total += len(run_forward(fwd.rank(r), ds.tokens, run))
     assert total == batch.num_samples and sum(calls) == 6 and len(calls) == 24 * fwd.steps[0].micro_count
     assert np.all([len(row) == fwd.steps[0].micro_count for row in fwd.steps[0].micros])
+
+
+def test_chunked_logprobs_follow_the_tree_on_prefix_shared_rows():
+    """In a tree row a branch's first token is predicted by its parent segment's last token: the
+    chunked recipe must read the same predecessor as token_logprobs (value and gradient)."""
+    toks = [np.arange(10, 22), np.concatenate([np.arange(10, 18), [90, 91, 92, 93, 94]]),
+            np.concatenate([np.arange(10, 15), [70, 71, 72]]), np.arange(30, 37)]
+    batch = mp.Batch([len(t) for t in toks], prefix_parent=[-1, 0, 0, -1], shared_prefix_lens=[0, 8, 5, 0])
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=64, share_prefixes=True))
+    p = pack_micro(plan.steps[0].micros[0][0], toks)
+    assert p.tree is not None and p.num_tokens < sum(len(t) for t in toks)
+    gen = torch.Generator().manual_seed(0)
+    h0 = torch.randn(p.num_tokens, 6, generator=gen, dtype=torch.float64)
+    w = torch.randn(120, 6, generator=gen, dtype=torch.float64)
+
+    def run(chunk):
+        h = h0.clone().requires_grad_(True)
+        lp = token_logprobs(h @ w.T, p) if chunk is None else chunked_token_logprobs(h, w, p, chunk_tokens=chunk)
+        lp.sum().backward()
+        return lp.detach(), h.grad
+
+    full_lp, full_g = run(None)
+    assert (full_lp != 0).sum() == p.num_tokens - 2   # two roots: every other token is predicted
+    for chunk in (1, 3, p.num_tokens):
+        lp, g = run(chunk)
+        torch.testing.assert_close(lp, full_lp, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(g, full_g, rtol=1e-12, atol=1e-12)

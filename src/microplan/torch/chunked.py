@@ -19,15 +19,18 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
-from .loss import _tokens_first
+from .loss import _tokens_first, predecessor_index
 from .packing import PackedMicro
+from .padded import PaddedMicro
 
 __all__ = ["chunked_token_logprobs"]
 
 
-def _slice_logprobs(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                    dtype: torch.dtype, temperature: float) -> torch.Tensor:
-    logits = torch.nn.functional.linear(h, weight, bias).to(dtype)
+def _slice_logprobs(h: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                    labels: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """Log-probs of ``labels`` predicted by hidden rows ``rows`` (gathered here, so a checkpointed
+    slice stores indices, not a copy of the hidden states)."""
+    logits = torch.nn.functional.linear(h.index_select(0, rows), weight, bias).to(dtype)
     if temperature != 1.0:
         logits = logits / temperature
     return logits.gather(-1, labels[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
@@ -52,23 +55,30 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, packed: P
         temperature: divides the logits.
         dtype: dtype of logits and log-probs; default: the hidden dtype promoted to at least float32.
 
-    Entry t is 0 where t starts a sample. Differentiable (slices recomputed in backward).
+    Entry t is 0 where t starts a sample. Token t is predicted by the hidden state of its
+    predecessor (:func:`~microplan.torch.loss.predecessor_index`: t − 1, or the parent segment's
+    last token in a prefix-shared row), as in :func:`token_logprobs`. Differentiable (slices
+    recomputed in backward).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise PlanError(f"chunk_tokens={chunk_tokens!r} must be an int >= 1 (rows of logits computed at once).")
+    if isinstance(packed, PaddedMicro):
+        raise PlanError("chunked_token_logprobs takes a packed row (PackedMicro); for a padded [n, W] micro-batch "
+                        "use token_logprobs on the model's logits.")
     h = _tokens_first(hidden, packed, "hidden", extra_dims=1)
     if weight.dim() != 2 or weight.shape[1] != h.shape[1]:
         raise PlanError(f"weight has shape {tuple(weight.shape)}; the LM head weight must be [V, H] with "
                         f"H={h.shape[1]} (the hidden size).")
     out_dtype = dtype or torch.promote_types(h.dtype, torch.float32)
     ids = packed.input_ids.to(h.device)
+    prev = predecessor_index(packed, h.device)
+    src = prev.clamp(min=0)
     T = h.shape[0]
-    parts = [torch.zeros(1, dtype=out_dtype, device=h.device)]
+    parts = []
     track = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    for lo in range(0, T - 1, chunk_tokens):
-        hi = min(lo + chunk_tokens, T - 1)
-        args = (h[lo:hi], weight, bias, ids[lo + 1:hi + 1], out_dtype, temperature)
+    for lo in range(0, T, chunk_tokens):
+        hi = min(lo + chunk_tokens, T)
+        args = (h, src[lo:hi], weight, bias, ids[lo:hi], out_dtype, temperature)
         parts.append(checkpoint(_slice_logprobs, *args, use_reentrant=False) if track else _slice_logprobs(*args))
     lp = torch.cat(parts)
-    start = packed.position_ids.to(h.device) == 0
-    return torch.where(start, torch.zeros_like(lp), lp)
+    return torch.where(prev >= 0, lp, torch.zeros_like(lp))

@@ -64,16 +64,27 @@ def token_logprobs(logits: torch.Tensor, packed: Packed, *, temperature: float =
     if temperature != 1.0:
         x = x / temperature
     ids = packed.input_ids.to(x.device)
-    tree = getattr(packed, "tree", None)
-    if tree is not None:  # a prefix-shared row: each token's predecessor is on its path (tree.py)
-        prev_idx = tree.prev_index.to(x.device)
-        src = x.index_select(0, prev_idx.clamp(min=0))
-        lp = src.gather(-1, ids[:, None]).squeeze(-1) - torch.logsumexp(src, dim=-1)
+    if getattr(packed, "tree", None) is not None:  # a prefix-shared row: predecessors on each path (tree.py)
+        prev_idx = predecessor_index(packed, x.device)
+        q = prev_idx.clamp(min=0)
+        lp = x[q, ids] - torch.logsumexp(x, dim=-1)[q]  # no [U, V] copy of the logits
         return torch.where(prev_idx >= 0, lp, torch.zeros_like(lp))
     prev = x[..., :-1, :]
     lp = prev.gather(-1, ids[..., 1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
     lp = torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
     return torch.where(packed.predicted().to(x.device), lp, torch.zeros_like(lp))
+
+
+def predecessor_index(packed: PackedMicro, device: torch.device | str | None = None) -> torch.Tensor:
+    """``[T]`` int64: the row whose logits predict token t, -1 where t starts a sample. A flat row:
+    t − 1 within a sample; a prefix-shared row: the last token of the parent segment for the first
+    token of a branch (``tree.prev_index``)."""
+    tree = getattr(packed, "tree", None)
+    if tree is not None:
+        return tree.prev_index.to(device)
+    pred = packed.predicted().to(device)
+    prev = torch.arange(-1, pred.shape[-1] - 1, device=pred.device)
+    return torch.where(pred, prev, torch.full_like(prev, -1))
 
 
 def _continues(packed: Packed, device: torch.device) -> torch.Tensor:
