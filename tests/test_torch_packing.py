@@ -322,3 +322,16 @@ def test_distributed_names_reexported_when_present():
         defined = any(name in (here / f).read_text() for f in files if (here / f).exists())
         assert (name in mt.__all__) == defined == hasattr(mt, name), name
     assert isinstance(pack_micro(_micro([0], [2], [1], [1.0]), [[1, 2]]), PackedMicro)
+
+
+def test_to_device_keeps_the_bookkeeping_on_the_host():
+    """``to`` moves what kernels read; ``sample_indices`` stays on the host so pack_values and
+    restore_order never sync the device to read it."""
+    plan = mp.plan(mp.Batch([3, 4, 5]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=16))
+    p = pack_micro(plan.rank(0)[0][0], [torch.arange(3), torch.arange(4), torch.arange(5)])
+    moved = p.to("meta")
+    assert moved.input_ids.device.type == "meta" and moved.loss_weights.device.type == "meta"
+    assert moved.sample_indices.device.type == "cpu" and moved.sample_indices.tolist() == p.sample_indices.tolist()
+    padded = mp.plan(mp.Batch([3, 4]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=16, layout="padded"))
+    q = pack_micro(padded.rank(0)[0][0], [torch.arange(3), torch.arange(4)]).to("meta")
+    assert q.input_ids.device.type == "meta" and q.sample_indices.device.type == "cpu"

@@ -62,7 +62,8 @@ class PackedMicro:
         loss_weights: ``[T]`` float; the sample's ``loss_scale`` on its loss tokens, 0 elsewhere.
             Label aligned: weight t applies to the loss of predicting token t (logits at t-1).
         loss_mask: ``[T]`` bool, the loss tokens (True even where a loss_scale is 0).
-        sample_indices: ``[n]`` int64 global sample indices (empty for a placeholder).
+        sample_indices: ``[n]`` int64 global sample indices (empty for a placeholder); bookkeeping
+            on the host (``to`` leaves it there, so reading it never syncs a device).
         seq_lens: host tuple of the packed sequence lengths (``(1,)`` for a placeholder).
         is_placeholder: True for the 1-token dummy of a placeholder micro-batch.
         cp_size: the micro-batch's context-parallel degree (the plan's ``Micro.cp_size``).
@@ -130,12 +131,12 @@ class PackedMicro:
         return torch.from_numpy(np.concatenate([[0], np.cumsum(real)]).astype(np.int32))
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PackedMicro:
-        """A copy with every tensor on ``device`` (dtypes kept; host fields untouched)."""
+        """A copy with every model/loss tensor on ``device`` (dtypes kept; ``sample_indices`` and the
+        other host fields stay on the host)."""
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
                        cu_seqlens=mv(self.cu_seqlens), loss_weights=mv(self.loss_weights),
-                       loss_mask=mv(self.loss_mask), sample_indices=mv(self.sample_indices),
-                       tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking))
+                       loss_mask=mv(self.loss_mask), tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``{"input_ids": [1, T], "position_ids": [1, T]}`` for a Hugging Face causal LM.

@@ -45,7 +45,8 @@ class PaddedMicro:
         position_ids: ``[n, W]`` int64, 0.. over each row's real tokens, 0 on pads.
         loss_weights: ``[n, W]`` float, label aligned; the sample's ``loss_scale`` on its loss tokens.
         loss_mask: ``[n, W]`` bool, the loss tokens.
-        sample_indices: ``[n]`` int64 global sample indices (empty for a placeholder).
+        sample_indices: ``[n]`` int64 global sample indices (empty for a placeholder); host
+            bookkeeping, left on the host by ``to``.
         sample_lens: host tuple of each row's real tokens.
         offsets: host tuple: the column of each row's first real token (its left padding).
         layout: ``"padded"`` or ``"padded-2d"``.
@@ -99,11 +100,11 @@ class PaddedMicro:
         return out
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> PaddedMicro:
-        """A copy with every tensor on ``device``."""
+        """A copy with every model/loss tensor on ``device`` (``sample_indices`` stays on the host)."""
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, input_ids=mv(self.input_ids), attention_mask=mv(self.attention_mask),
                        position_ids=mv(self.position_ids), loss_weights=mv(self.loss_weights),
-                       loss_mask=mv(self.loss_mask), sample_indices=mv(self.sample_indices))
+                       loss_mask=mv(self.loss_mask))
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``input_ids``, ``attention_mask`` and ``position_ids`` (``[n, W]``) for a transformers model."""
