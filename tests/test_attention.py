@@ -215,3 +215,22 @@ def test_placeholder_micro_runs(name):
     with torch.no_grad():
         out = model(**p.model_inputs(), use_cache=False).logits
     assert out.shape == (1, 1, VOCAB) and bool(torch.isfinite(out).all())
+
+
+def test_the_segment_table_is_built_once_per_forward(name, monkeypatch):
+    """Every layer receives the same position_ids / cu_seq_lens tensors: the table (a host round
+    trip and its checks) is built once per forward on both paths, not once per layer."""
+    import microplan.torch.attention as att
+    model = _model(name)
+    assert model.config.num_hidden_layers >= 2
+    toks, p = _packed([4, 6])
+    cu = p.cu_seqlens.to(torch.int64)
+    calls = {"pos": 0, "cu": 0}
+    for fn, key in (("segments_from_position_ids", "pos"), ("segments_from_cu_seqlens", "cu")):
+        real = getattr(att, fn)
+        monkeypatch.setattr(att, fn, lambda *a, _r=real, _k=key, **kw: (calls.__setitem__(_k, calls[_k] + 1), _r(*a, **kw))[1])
+    with torch.no_grad():
+        model(**p.model_inputs(), use_cache=False)
+        model(input_ids=p.input_ids[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6,
+              position_ids=p.position_ids[None], use_cache=False)
+    assert calls == {"pos": 1, "cu": 1}

@@ -21,7 +21,7 @@ Steps, per attention call:
    ``position_ids`` the decoder layers pass down (a segment starts wherever a position does not
    follow its predecessor by one — they restart at 0 in a ``PackedMicro``), else one segment per
    row. A 2-D padding mask removes its padded tokens from every segment (their output is 0).
-   The table is computed once per forward (cached on the ``position_ids`` tensor), not per layer.
+   The table is computed once per forward (cached on the ``position_ids`` or ``cu_seq_lens`` tensors), not per layer.
 3. Each segment runs ``torch.nn.functional.scaled_dot_product_attention`` on its own slice
    (``is_causal`` when it is square, an explicit lower-right mask otherwise; GQA through
    ``enable_gqa``); the outputs are concatenated back into the row.
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -175,21 +176,22 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 class _SegmentCache:
-    """One entry: the segments of the last ``position_ids`` tensor seen (every layer of a forward
-    receives the same tensor, so the host round trip happens once per forward)."""
+    """One entry: the segments built from the last anchor tensor seen (``position_ids``, or
+    ``cu_seq_lens_q/k``): every layer of a forward receives the same tensors, so the host round
+    trip and the table's checks happen once per forward, not once per layer."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._ref: weakref.ref | None = None
         self._segments: Segments | None = None
 
-    def get(self, position_ids: torch.Tensor, valid: torch.Tensor | None, causal: bool) -> Segments:
-        key = (position_ids._version, tuple(position_ids.shape), id(valid), None if valid is None else valid._version,
-               causal)
-        if self._ref is not None and self._ref() is position_ids and self._key == key:
+    def get(self, anchor: torch.Tensor, other: torch.Tensor | None, causal: bool,
+            build: Callable[[], Segments]) -> Segments:
+        key = (anchor._version, tuple(anchor.shape), id(other), None if other is None else other._version, causal)
+        if self._ref is not None and self._ref() is anchor and self._key == key:
             return self._segments  # type: ignore[return-value]
-        seg = segments_from_position_ids(position_ids, valid, causal=causal)
-        self._ref, self._key, self._segments = weakref.ref(position_ids), key, seg
+        seg = build()
+        self._ref, self._key, self._segments = weakref.ref(anchor), key, seg
         return seg
 
 
@@ -202,13 +204,15 @@ def _table(query: torch.Tensor, attention_mask: torch.Tensor | None, causal: boo
     if cu_q is not None or cu_k is not None:
         if B != 1:
             raise PlanError(f"cu_seq_lens_q/k describe ONE packed row, but the batch has {B} rows; pack into [1, T].")
-        return segments_from_cu_seqlens(cu_q if cu_q is not None else cu_k, cu_k, causal=causal)
+        anchor = cu_q if cu_q is not None else cu_k
+        return _CACHE.get(anchor, cu_k, causal, lambda: segments_from_cu_seqlens(anchor, cu_k, causal=causal))
     pos = kwargs.get("position_ids")
     if pos is None:
         pos = torch.arange(T).expand(B, T)
     elif pos.shape[-1] != T:
         raise PlanError(f"position_ids cover {pos.shape[-1]} tokens but attention runs over {T}.")
-    return _CACHE.get(pos, attention_mask, causal)
+    return _CACHE.get(pos, attention_mask, causal,
+                      lambda: segments_from_position_ids(pos, attention_mask, causal=causal))
 
 
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
