@@ -154,25 +154,11 @@ def fill_targets(lead: np.ndarray, total: float, D: int, K: int) -> np.ndarray:
 
 def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: PlanConfig,
              extra: Extra | None = None) -> np.ndarray | None:
-    """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
-
-    With a packed-row term the samples are balanced on their first-order cost at the mean row
-    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). Under ``sync="micro"`` the
-    packing is then refined for the lockstep objective on its slot arrangement (``lockstep.py``).
-    """
+    """:func:`pack_at` under the config's cap, then — under ``sync="micro"`` — refined for the
+    lockstep objective on its slot arrangement (``lockstep.py``); None if no packing was found."""
     cost, cap = cfg.cost, effective_cap(cfg)
     assert cost is not None and cap is not None
-    bal = costs
-    if not is_additive(cost) and m:
-        bal = costs + packed_slope(cost, float(lens.sum()) / m) * lens
-    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra)
-    n = lens.size
-    if bin_of is None and n <= FFD_MAX_SAMPLES:
-        bin_of = first_fit_decreasing(lens, m, cap, extra)
-        if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
-            bin_of = exact_pack(lens, m, cap)
-        if bin_of is not None:
-            bin_of = refine_bins(bin_of, lens, bal, m, cap, extra=extra)
+    bin_of = pack_at(lens, costs, m, D, K, cap, cost, extra=extra)
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     nb = D * K
@@ -190,19 +176,25 @@ def adjusted_slope(cost: CostModel, lens: np.ndarray, m: int) -> float:
 
 
 def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int, cost: CostModel, *,
-            targets: np.ndarray | None = None) -> np.ndarray | None:
-    """A packing into m bins under the cap at K per rank, balanced on first-order costs (see
-    ``_pack_at``), toward ``targets`` (per-slot cost targets, length K, in those first-order units)
-    instead of this step's own :func:`slot_targets` — local placement passes targets shared by
-    every rank. No lockstep refinement: the caller arranges the bins. None if none was found."""
+            targets: np.ndarray | None = None, extra: Extra | None = None) -> np.ndarray | None:
+    """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
+
+    With a packed-row term the samples are balanced on their first-order cost at the mean row
+    length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). Slot-target LPT toward
+    ``targets`` (per-slot cost targets, length K, in those first-order units; default: this
+    step's own :func:`slot_targets` — local placement passes targets shared by every rank), then
+    first-fit decreasing and, for small steps, an exhaustive search, each refined. ``extra``: a
+    second capped resource (vision tokens) every packer keeps. No lockstep refinement here.
+    """
     bal = costs + adjusted_slope(cost, lens, m) * lens
-    bin_of = _pack_slots(lens, bal, m, D, K, cap, None, targets)
-    if bin_of is None and lens.size <= FFD_MAX_SAMPLES:
-        bin_of = first_fit_decreasing(lens, m, cap)
-        if bin_of is None and lens.size <= EXACT_MAX_SAMPLES:
+    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets)
+    n = lens.size
+    if bin_of is None and n <= FFD_MAX_SAMPLES:
+        bin_of = first_fit_decreasing(lens, m, cap, extra)
+        if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
             bin_of = exact_pack(lens, m, cap)
         if bin_of is not None:
-            bin_of = refine_bins(bin_of, lens, bal, m, cap)
+            bin_of = refine_bins(bin_of, lens, bal, m, cap, extra=extra)
     return bin_of
 
 
