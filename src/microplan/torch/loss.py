@@ -154,8 +154,7 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
             _no_tree(packed, "weighted_loss(aligned='logit')")
         y = token_losses[0] if token_losses.dim() == 2 and token_losses.shape[0] == 1 else token_losses
         S, U = tree.sample_weights.numel(), packed.num_tokens
-        if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and \
-                not torch.equal(tree.flat_rows.cpu(), torch.arange(U)):
+        if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and not tree.in_row_order:
             raise PlanError("token_losses has as many entries as the row and as the per-sample layout, which order "
                             "tokens differently here: pass per_sample=True (losses in the layout of pack_values / "
                             "PackedMicro.expand) or per_sample=False (one loss per row token).")

@@ -32,7 +32,7 @@ multiple of U.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -64,17 +64,14 @@ class TreeLayout:
     max_seqlen_k: int
     sample_rows: tuple[torch.Tensor, ...]
     sample_weights: torch.Tensor
-
-    @property
-    def flat_rows(self) -> torch.Tensor:
-        """``[Σ L]`` the rows of every member's tokens, member after member."""
-        return torch.cat(self.sample_rows) if self.sample_rows else torch.zeros(0, dtype=torch.int64)
+    flat_rows: torch.Tensor   # ``[Σ L]`` the rows of every member's tokens, member after member
+    in_row_order: bool        # host flag: flat_rows is 0..U-1 (the per-sample layout is the row itself)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> TreeLayout:
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
-        return TreeLayout(prev_index=mv(self.prev_index), key_index=mv(self.key_index),
-                          cu_seqlens_k=mv(self.cu_seqlens_k), max_seqlen_k=self.max_seqlen_k,
-                          sample_rows=tuple(mv(r) for r in self.sample_rows), sample_weights=mv(self.sample_weights))
+        return replace(self, prev_index=mv(self.prev_index), key_index=mv(self.key_index),
+                       cu_seqlens_k=mv(self.cu_seqlens_k), sample_rows=tuple(mv(r) for r in self.sample_rows),
+                       sample_weights=mv(self.sample_weights), flat_rows=mv(self.flat_rows))
 
 
 def tree_layout(micro: Micro, masks: list[torch.Tensor], tokens: list[torch.Tensor],
@@ -124,10 +121,12 @@ def tree_layout(micro: Micro, masks: list[torch.Tensor], tokens: list[torch.Tens
         keys.append(path)
         cu_k.append(cu_k[-1] + path.size)
     position = np.concatenate([np.arange(s, e) for s, e in zip(tree.start.tolist(), tree.end.tolist())])
+    flat = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     layout = TreeLayout(
         prev_index=torch.from_numpy(prev), key_index=torch.from_numpy(np.concatenate(keys)),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), max_seqlen_k=int(max(np.diff(cu_k))),
-        sample_rows=tuple(rows), sample_weights=torch.cat(flat_w).to(weight_dtype))
+        sample_rows=tuple(rows), sample_weights=torch.cat(flat_w).to(weight_dtype), flat_rows=flat,
+        in_row_order=bool(flat.numel() == U and torch.equal(flat, torch.arange(U))))
     return dict(input_ids=ids, position_ids=torch.from_numpy(position.astype(np.int64)),
                 cu_seqlens=torch.from_numpy(offsets.astype(np.int32)), max_seqlen=int(seg_len.max()),
                 loss_weights=weights.to(weight_dtype), loss_mask=mask,
@@ -158,6 +157,10 @@ def check_tree(packed: Any) -> None:
     total = sum(r.numel() for r in t.sample_rows)
     if t.sample_weights.numel() != total or len(t.sample_rows) != packed.sample_indices.numel():
         raise PlanError("sample_rows/sample_weights must cover every member's tokens.")
+    flat = torch.cat([r.cpu() for r in t.sample_rows]) if t.sample_rows else torch.zeros(0, dtype=torch.int64)
+    if not torch.equal(t.flat_rows.cpu(), flat) or t.in_row_order != bool(flat.numel() == U and
+                                                                           torch.equal(flat, torch.arange(U))):
+        raise PlanError("flat_rows must be the members' rows in order, and in_row_order must say whether it is 0..U-1.")
     if not torch.allclose(torch.zeros(U, dtype=torch.float64).index_add_(
             0, t.flat_rows.cpu(), t.sample_weights.cpu().to(torch.float64)), w.to(torch.float64),
             rtol=1e-12, atol=0.0):
