@@ -26,7 +26,7 @@ import numpy as np
 
 from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
-from .cost import FlopsCost, TokenCost
+from .cost import DEFAULT_ATTENTION, FlopsCost, TokenCost
 from .errors import PlanError
 from .forward import plan_forward
 from .plan import Plan
@@ -232,8 +232,8 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-micro", type=_float, metavar="Z", help="fixed cost per micro-batch (default 0)")
     p.add_argument("--hf-config", metavar="CONFIG.json",
                    help="derive the cost from a Hugging Face config.json (FlopsCost.from_hf_config)")
-    p.add_argument("--attention", default="hedged", metavar="KERNEL",
-                   help="with --hf-config: attention kernel preset (hedged, fa3, fa2, sdpa-packed, flops)")
+    p.add_argument("--attention", default=None, metavar="KERNEL",
+                   help="with --hf-config: attention kernel preset (hedged, the default; fa3, fa2, sdpa-packed, flops)")
     cp = p.add_mutually_exclusive_group()
     cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
     cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
@@ -318,6 +318,9 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
 def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
     """The cost model the --cost/--hf-config options describe."""
     coef = (args.linear, args.quadratic, args.packed_quadratic)
+    if args.attention is not None and not args.hf_config:
+        raise PlanError("--attention picks the kernel preset of the cost derived by --hf-config; add "
+                        "--hf-config CONFIG.json (or drop --attention).")
     if args.hf_config:
         if any(v is not None for v in coef):
             raise PlanError("--hf-config derives the coefficients; drop --linear/--quadratic/--packed-quadratic.")
@@ -327,7 +330,7 @@ def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
                 hf = json.load(f)
         except (OSError, json.JSONDecodeError) as exc:
             raise PlanError(f"cannot read --hf-config {args.hf_config!r}: {exc}") from None
-        return FlopsCost.from_hf_config(hf, attention=args.attention, per_micro=args.per_micro)
+        return FlopsCost.from_hf_config(hf, attention=args.attention or DEFAULT_ATTENTION, per_micro=args.per_micro)
     per_micro = 0.0 if args.per_micro is None else args.per_micro
     if args.cost in (None, "token"):
         if any(v is not None for v in coef):
@@ -377,10 +380,25 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+_COST_OPTIONS = {"cost", "per_micro", "hf_config", "linear", "quadratic", "packed_quadratic", "attention", "like"}
+
+
+def _layout_options_given(args: argparse.Namespace) -> list[str]:
+    """The plan-layout options (everything but the cost) set to other than their defaults."""
+    ref = argparse.ArgumentParser(add_help=False)
+    _add_layout(ref)
+    return [a.option_strings[0] for a in ref._actions
+            if a.dest not in _COST_OPTIONS and getattr(args, a.dest, a.default) != a.default]
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .io import read_batch, read_plan
     batch = read_batch(args.file, format=args.format)
     if args.like:
+        ignored = _layout_options_given(args)
+        if ignored:
+            raise PlanError(f"--like {args.like} reuses that plan's layout; {', '.join(ignored)} would be ignored: "
+                            "drop them (only --dp and the cost options apply to a --like plan).")
         like = read_plan(args.like)
         given = (args.cost, args.per_micro, args.hf_config, args.linear, args.quadratic, args.packed_quadratic)
         cost = like.config.cost if all(v is None for v in given) else _cost_from_args(args)
