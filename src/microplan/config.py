@@ -436,9 +436,11 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
     if cfg.vision_cost is not None and not isinstance(cfg.vision_cost, VisionCost):
         raise PlanError(f"PlanConfig.vision_cost must be a microplan.VisionCost or None, got {cfg.vision_cost!r}; "
                         "pass e.g. vision_cost=VisionCost(linear=..., quadratic=...).")
-    if cfg.share_prefixes and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items() if k != "vision_cost"):
-        raise PlanError("share_prefixes=True packs prefix trees in one varlen row; padded layouts, padding multiples "
-                        "and a vision cap are not supported with it yet: drop them, or plan without sharing.")
+    if cfg.share_prefixes and cfg.layout != "varlen":
+        raise PlanError(f"share_prefixes=True packs each micro-batch as one tree row (every shared token once); "
+                        f"layout={cfg.layout!r} gives every sample its own padded row of the batch's width, where "
+                        "a shared prefix cannot be stored once. Use layout='varlen' (padding multiples and "
+                        "pad_row_to_multiple_of compose with sharing), or plan without sharing.")
     cp = cfg.context_parallel
     if cp is not None and cp.dynamic and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items()
                                             if k != "vision_cost"):

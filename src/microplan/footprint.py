@@ -46,9 +46,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .batch import Batch
     from .config import PlanConfig
     from .cost.models import CostModel
+    from .prefix import PrefixTree
 
 __all__ = ["LAYOUTS", "Layout", "Padding", "Footprint", "footprint_of", "padding_of", "packing_cap", "round_up",
-           "micro_footprint", "check_fits"]
+           "micro_footprint", "check_fits", "bin_footprint"]
 
 LAYOUTS: tuple[str, ...] = ("varlen", "padded", "padded-2d")
 Layout = Literal["varlen", "padded", "padded-2d"]
@@ -148,6 +149,14 @@ class Footprint:
         if self.padded:
             return int(idx.size) * self.width(idx)
         return int(round_up(int(self.sample_tokens[idx].sum()), self.padding.row_multiple))
+
+    def tree_tokens(self, tree: PrefixTree) -> int:
+        """Tokens a tree row holds (``share_prefixes``): each trie segment padded to the sample
+        multiple (as a flat row pads each sample), the row to the row multiple."""
+        seg = tree.end - tree.start
+        m = self.padding.sample_multiple
+        body = int(round_up(seg, m).sum()) if m > 1 else int(seg.sum())
+        return int(round_up(body, self.padding.row_multiple))
 
     def vision(self, idx: np.ndarray) -> int:
         """Vision tokens (patches) of these samples (0 without vision)."""
@@ -275,3 +284,29 @@ def check_fits(fp: Footprint, config: PlanConfig) -> None:
         raise PlanError(f"sample {j} has {int(fp.vision_tokens[j])} vision tokens, more than one micro-batch may "
                         f"hold (max_vision_tokens_per_micro={vcap}); raise max_vision_tokens_per_micro or lower the "
                         "sample's image resolution / frame count.")
+
+
+def bin_footprint(fp: Footprint, cost: CostModel, samples: np.ndarray, bin_of: np.ndarray, num_bins: int, *,
+                  forest: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, cost) of every bin of samples: the footprint the cap counts and the predicted cost.
+
+    ``forest`` (``prefix.forest_of``): the bins hold prefix tries (``share_prefixes``) — unique
+    tokens, each trie segment padded to the sample multiple, the row to the row multiple, the
+    row pad run as one more sequence, attention priced by each token's depth. Without it: the
+    samples laid out under the layout's rules (:meth:`Footprint.bin_tokens`, :meth:`Footprint.bin_costs`).
+    """
+    if forest is None:
+        return fp.bin_tokens(samples, bin_of, num_bins), fp.bin_costs(cost, samples, bin_of, num_bins)
+    from .trie import set_tries
+    tries = set_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
+                      multiple=fp.padding.sample_multiple)
+    U = tries.tokens
+    tokens = round_up(U, fp.padding.row_multiple)
+    pad = tokens - U
+    add = cost.tree_costs(U.astype(np.float64), tries.depth_sq)  # type: ignore[attr-defined]
+    add = add + np.where(pad > 0, cost.sample_costs(pad), 0.0)
+    seqs = np.bincount(bin_of, minlength=num_bins) + (pad > 0)
+    out = _bin_costs(cost, add, tokens.astype(np.float64), seqs)
+    if fp.vision_costs is not None:
+        out = out + np.bincount(bin_of, weights=fp.vision_costs[samples], minlength=num_bins)
+    return tokens.astype(np.int64), out

@@ -1,38 +1,41 @@
-"""``plan(batch, config)``: the whole flow — steps, fit (K, pack), assign, weigh — as one pure call.
+"""``plan(batch, config)``: the whole flow as one pure call — one stage per concern, every option a property of one.
 
-Design note. Steps are cut first (groups atomic), then each step independently: fit (choose K
-by predicted time, pack under the cap, apply short_step), arrange the dp·K micro-batches into
-the ranks × slots grid, and weigh every sample. No I/O, no collectives, no global state: any
-process that holds the same batch and config computes the same plan, bit for bit. Measured: a
-16,384-sample step at dp=128 plans in ~25 ms (benchmarks/bench_speed.py).
+Design note. Steps are cut first (groups atomic), then each step runs the same flow:
 
-Layouts: one :class:`~microplan.footprint.Footprint` per plan says what a micro-batch occupies
-(padding, padded rows, vision tokens); the packers, the arrangement and every Micro use it.
+1. atoms      what is placed whole: samples, or prefix trees / tree parts (``stages/atoms.py``);
+              with sharing, the granularity is chosen by predicted time (``stages/granularity.py``)
+2. footprint  what a set of atoms occupies: padding multiples, padded rows, unique trie tokens,
+              vision tokens — ``footprint.py``, the one function the cap, validate and stats use
+3. placement  where an atom may go: any rank (global) or the rank that holds it (local)
+4. fit        K by predicted time, pack under the cap, ``short_step`` (``stages/fit.py``, ``local.py``)
+5. arrange    bins into the ranks × slots grid (``stages/place.py``, ``assign.py``)
+6. cp         dynamic context parallel: CP groups per slot (``stages/cp.py``; it packs with widths)
+7. order      pipeline order of each rank's micro-batches (``stages/pipeline.py``)
+8. weigh      loss scales that make the step's gradient exact (``stages/build.py``, ``weigh.py``)
+
+No I/O, no collectives, no global state: any process that holds the same batch and config
+computes the same plan, bit for bit. What cannot compose for a physical reason is refused in
+``config.py`` and listed in docs/planner.md. Measured: a 16,384-sample step at dp=128 plans in
+~20 ms (benchmarks/bench_speed.py).
 """
 
 from __future__ import annotations
-
-from functools import partial
 
 import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
-from .footprint import Footprint, check_fits, footprint_of, micro_footprint
+from .footprint import check_fits
 from .plan import Plan
 from .stats import step_cost_grid
-from .stages.assign import arrange
+from .stages.build import build_step
+from .stages.context import PlanContext, plan_context
 from .stages.cp import plan_dynamic_cp_step
-from .stages.fit import fit_step
-from .stages.layout import step_layout
-from .stages.local import plan_local_step
-from .stages.micros import binned_micros
-from .stages.share import plan_shared_step
+from .stages.granularity import best_layout
 from .stages.pipeline import order_step
 from .stages.steps import split_steps
-from .stages.weigh import loss_coefficients, loss_scales
-from .types import Micro, Step
+from .types import Step
 
 __all__ = ["plan", "build_plan"]
 
@@ -45,73 +48,66 @@ def plan(batch: Batch, config: PlanConfig) -> Plan:
 def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None = None) -> Plan:
     """:func:`plan` with a minimum micro-batch count per rank and step (local placement only).
 
-    ``min_micro_count`` defaults to ``config.pipeline_stages`` (K ≥ p). Integrations whose
+    K is at least ``max(min_micro_count, config.pipeline_stages)``, aligned. Integrations whose
     framework asks for a minimum count (verl's ``min_num_micro_batch``) pass it here.
     """
-    if not isinstance(batch, Batch):
-        raise PlanError(f"plan() takes a microplan.Batch, got {type(batch).__name__}; wrap lengths as Batch(seq_lens).")
-    if not isinstance(config, PlanConfig):
-        raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
-    dynamic_cp = config.context_parallel is not None and config.context_parallel.dynamic
-    fp = footprint_of(batch, config)
-    if not config.share_prefixes:
-        check_fits(fp, config)  # shared plans refuse a sample over the cap in stages/share.py
-    step_planner = plan_shared_step if config.share_prefixes else \
-        plan_dynamic_cp_step if dynamic_cp else partial(_plan_step, fp=fp)
-    if config.placement == "local":
-        if config.share_prefixes or micro_footprint(fp) is not None:
-            raise PlanError("PlanConfig(placement='local') plans plain varlen rows for now: share_prefixes, padded "
-                            "layouts, padding multiples and vision tokens are not supported with it yet; use "
-                            "placement='global' for those.")
-        min_k = _min_count(config, min_micro_count)
-        _check_owners(batch, config)
-        step_planner = lambda *a: plan_local_step(*a, min_micro_count=min_k)  # noqa: E731
-    elif min_micro_count is not None and min_micro_count > 1:
-        raise PlanError(f"min_micro_count={min_micro_count} is applied by placement='local' only; plan with "
-                        "PlanConfig(placement='local', ...), or PlanConfig(pipeline_stages=...) for a global plan.")
-    split = split_steps(batch, config.steps)
-    assert config.cost is not None
-    costs = fp.sample_costs(config.cost)
+    ctx = _context(batch, config, min_micro_count)
+    split = split_steps(batch, config.steps)                     # steps: groups never split
     reasons = {int(i): split.reason for i in split.dropped}
     steps: list[Step] = []
     for samples in split.steps:
-        step, dropped, why = step_planner(len(steps), samples, batch, costs, config)
-        if config.pipeline_stages > 1:  # run each rank's micro-batches in the order of least pipeline time
-            step = order_step(step, step_cost_grid(batch, config, step, fp), config)
-        reasons.update((int(i), why) for i in dropped)
+        step, dropped = _plan_step(len(steps), samples, ctx)
+        reasons.update((int(i), _drop_reason(step.index, config)) for i in dropped)
         steps.append(step)
     return Plan(batch=batch, config=config, steps=steps, dropped=np.array(sorted(reasons), dtype=np.int64),
                 drop_reasons=reasons)
 
 
-def _plan_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
-               cfg: PlanConfig, *, fp: Footprint) -> tuple[Step, np.ndarray, str]:
-    lens = fp.sample_tokens[samples]  # what each sample occupies (padding included)
-    fit = fit_step(s, samples, lens, costs[samples], batch.rollout_codes[samples], cfg,
-                   step_layout(micro_footprint(fp), samples, cfg))
-    kept = samples[fit.kept]
-    D, K = cfg.dp_size, fit.micro_count
-    bin_of = fit.bin_of
-    grid = arrange(fp.bin_costs(cfg.cost, kept, bin_of, D * K), D, K)  # type: ignore[arg-type]
-    assert cfg.loss is not None
-    coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
-    scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    bins = binned_micros(kept, bin_of, D * K, scale, batch)
-    cp = cfg.static_cp_size
-    trusted, mfp = Micro._trusted, micro_footprint(fp)
-    micros = [[trusted(*bins[b], cp, 0, (r,), footprint=mfp) for b in grid[r].tolist()] for r in range(D)]
-    dropped = samples[fit.dropped]
-    why = (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
-           f"= {D} × {cfg.align} micro-batches")
-    return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
+def _plan_step(s: int, samples: np.ndarray, ctx: PlanContext) -> tuple[Step, np.ndarray]:
+    """One step through the flow of the module note."""
+    cfg = ctx.cfg
+    if cfg.context_parallel is not None and cfg.context_parallel.dynamic:   # fit + arrange + cp with widths
+        step, dropped, _ = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg)
+    else:
+        lay = best_layout(s, samples, ctx)          # atoms → footprint → placement → K → pack → arrange
+        step, dropped = build_step(s, lay, ctx), lay.dropped_samples   # micro-batches, weigh
+    if cfg.pipeline_stages > 1:                     # order: least predicted pipeline time per rank
+        step = order_step(step, step_cost_grid(ctx.batch, cfg, step, ctx.fp), cfg)
+    return step, dropped
+
+
+def _drop_reason(s: int, cfg: PlanConfig) -> str:
+    if cfg.placement == "local":
+        return (f"short_step='drop': trailing rollout dropped so every rank of step {s} fills its K micro-batches "
+                "with its own samples (placement='local')")
+    return (f"short_step='drop': trailing rollout dropped so step {s} aligns to dp_size × align "
+            f"= {cfg.dp_size} × {cfg.align} micro-batches" + (" (whole prefix-tree components)" if cfg.share_prefixes
+                                                              else ""))
+
+
+def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> PlanContext:
+    """Check the arguments and derive what every stage reads (``stages/context.py``)."""
+    if not isinstance(batch, Batch):
+        raise PlanError(f"plan() takes a microplan.Batch, got {type(batch).__name__}; wrap lengths as Batch(seq_lens).")
+    if not isinstance(config, PlanConfig):
+        raise PlanError(f"plan() takes a microplan.PlanConfig, got {type(config).__name__}.")
+    if config.placement == "local":
+        _check_owners(batch, config)
+    elif min_micro_count is not None and min_micro_count > 1:
+        raise PlanError(f"min_micro_count={min_micro_count} is applied by placement='local' only; plan with "
+                        "PlanConfig(placement='local', ...), or PlanConfig(pipeline_stages=...) for a global plan.")
+    ctx = plan_context(batch, config, _min_count(config, min_micro_count))
+    if not config.share_prefixes:
+        check_fits(ctx.fp, config)  # a tree's samples are checked as atoms (trie tokens)
+    return ctx
 
 
 def _min_count(config: PlanConfig, given: int | None) -> int:
-    """The minimum K hook: the explicit value, else ``config.pipeline_stages``."""
-    value = given if given is not None else config.pipeline_stages
+    """The minimum K: at least ``config.pipeline_stages`` and the explicit value (both hold)."""
+    value = 1 if given is None else given
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise PlanError(f"min_micro_count={value!r} must be an int >= 1 (micro-batches per rank per step).")
-    return int(value)
+    return max(int(value), config.pipeline_stages)
 
 
 def _check_owners(batch: Batch, config: PlanConfig) -> None:

@@ -86,7 +86,7 @@ class Micro:
         cap counts. 0 for a placeholder (which packs to one dummy row). With shared prefixes: the
         unique tokens of its prefix trie. Without a footprint: Σ seq_lens (a plain varlen row)."""
         if self.tree is not None:
-            return self.tree.num_tokens
+            return self.tree.num_tokens if self.footprint is None else self.footprint.tree_tokens(self.tree)
         if self.footprint is None or not self.indices.size:
             return int(self.seq_lens.sum())
         return self.footprint.tokens(self.indices)

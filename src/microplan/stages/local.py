@@ -32,55 +32,61 @@ global planner at dp=128 (one packing per rank).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
-from ..batch import Batch
 from ..config import PlanConfig
 from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
-from ..types import KChoice, Micro, Step
-from .assign import arrange, grid_time
+from ..types import KChoice
+from .assign import grid_time
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
-from .micros import binned_micros
+from .layout import StepLayout
 from .pack import bins_lower_bound, round_robin_pack
-from .weigh import loss_coefficients, loss_scales
+from .padded import pack_padded_at
 
-__all__ = ["plan_local_step", "LocalFit"]
+__all__ = ["fit_local", "LocalFit"]
+
+BinCost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (positions, bin_of, num_bins) -> cost per bin
 
 
 class LocalFit(NamedTuple):
-    """One step's local layout; positions are into the step's sample array."""
+    """One step's local layout; positions are into the step's atom arrays."""
 
     kept: np.ndarray            # positions that train
-    bin_of: np.ndarray          # rank·K + rank-local bin of each kept position
+    bin_of: np.ndarray          # rank·K + slot of each kept position (slots heaviest first)
     K: int
     choice: KChoice | None
-    short: bool                 # some rank has fewer samples than K (placeholders)
+    short: bool                 # some rank has fewer atoms than K (placeholders)
 
 
 class _Ranks:
-    """The step's samples grouped by owner rank (positions into the step)."""
+    """The step's atoms grouped by owner rank (positions into the step)."""
 
-    def __init__(self, owner: np.ndarray, lens: np.ndarray, costs: np.ndarray, D: int) -> None:
+    def __init__(self, owner: np.ndarray, lens: np.ndarray, costs: np.ndarray, D: int,
+                 layout: StepLayout | None) -> None:
         order = np.argsort(owner, kind="stable")
         bounds = np.searchsorted(owner[order], np.arange(D + 1))
         self.pos = [order[bounds[r]:bounds[r + 1]] for r in range(D)]
         self.lens = [lens[p] for p in self.pos]
         self.costs = [costs[p] for p in self.pos]
         self.n = np.array([p.size for p in self.pos], dtype=np.int64)
+        self.busy = np.flatnonzero(self.n)  # ranks holding atoms (the rest run placeholders only)
+        ex = None if layout is None else layout.extra
+        self.extra = [None if ex is None else (ex[0][p], ex[1]) for p in self.pos]
+        self.padded = None if layout is None or layout.padded is None else [layout.padded.take(p) for p in self.pos]
 
 
 def _targets(ranks: _Ranks, K: int, cfg: PlanConfig) -> np.ndarray:
     """Slot targets shared by every rank (module note, step 2), in pack_at's first-order units."""
     lead, total = np.zeros(K), 0.0
-    for lens, c, n in zip(ranks.lens, ranks.costs, ranks.n):
-        if not n:
-            continue
-        adj = c + adjusted_slope(cfg.cost, lens, min(int(n), K)) * lens  # type: ignore[arg-type]
-        desc = np.sort(adj)[::-1][:K]
+    for r in ranks.busy.tolist():
+        lens, c, n = ranks.lens[r], ranks.costs[r], int(ranks.n[r])
+        adj = c + adjusted_slope(cfg.cost, lens, min(n, K)) * lens  # type: ignore[arg-type]
+        desc = -np.sort(-adj)[:K]
         lead[: desc.size] = np.maximum(lead[: desc.size], desc)
         total = max(total, float(adj.sum()))
     return fill_targets(lead, total, 1, K)
@@ -88,38 +94,41 @@ def _targets(ranks: _Ranks, K: int, cfg: PlanConfig) -> np.ndarray:
 
 def _pack(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
     """Rank-local bins of every rank at K (min(n_r, K) real bins each), or None if a rank fails."""
-    out: list[np.ndarray] = []
-    if cfg.micro_batch_size is not None:
-        return [round_robin_pack(c, min(int(n), K)) if n else np.zeros(0, dtype=np.int64)
-                for c, n in zip(ranks.costs, ranks.n)]
+    out = [np.zeros(0, dtype=np.int64) for _ in ranks.pos]
+    if cfg.micro_batch_size is not None and ranks.padded is None:
+        for r in ranks.busy.tolist():
+            out[r] = round_robin_pack(ranks.costs[r], min(int(ranks.n[r]), K))
+        return out
     cap = effective_cap(cfg)
-    tau = _targets(ranks, K, cfg) if K > 1 else None
-    for lens, c, n in zip(ranks.lens, ranks.costs, ranks.n):
-        if not n:
-            out.append(np.zeros(0, dtype=np.int64))
-            continue
-        got = pack_at(lens, c, min(int(n), K), 1, K, cap, cfg.cost, targets=tau)  # type: ignore[arg-type]
+    tau = _targets(ranks, K, cfg) if K > 1 and ranks.padded is None else None
+    for r in ranks.busy.tolist():
+        m = min(int(ranks.n[r]), K)
+        if ranks.padded is not None:
+            got = pack_padded_at(ranks.padded[r], m=m, K=K, cap=cap, micro_batch_size=cfg.micro_batch_size,
+                                 vision_cap=cfg.max_vision_tokens_per_micro, cost=cfg.cost, sync=cfg.sync)  # type: ignore[arg-type]
+        else:
+            got = pack_at(ranks.lens[r], ranks.costs[r], m, 1, K, cap, cfg.cost, targets=tau,  # type: ignore[arg-type]
+                          extra=ranks.extra[r])
         if got is None:
             return None
-        out.append(got)
+        out[r] = got
     return out
 
 
-def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig) -> np.ndarray:
+def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> np.ndarray:
     """``cost[r, b]`` of rank r's bin b on its GPU(s) (empty bins: placeholders, per_micro only)."""
     cost = cfg.cost
     assert cost is not None
-    out = np.empty((len(bins), K))
-    for r, b in enumerate(bins):
-        mc = bin_costs(cost, np.bincount(b, weights=ranks.costs[r], minlength=K),
-                       np.bincount(b, weights=ranks.lens[r], minlength=K), np.bincount(b, minlength=K))
+    out = np.full((len(bins), K), float(cost.per_micro))
+    for r in ranks.busy.tolist():
+        mc = bin_cost(ranks.pos[r], bins[r], K)
         out[r] = mc if cfg.static_cp_size == 1 else (mc - cost.per_micro) / cfg.static_cp_size + cost.per_micro
     return out
 
 
-def _time(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig) -> float:
+def _time(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> float:
     """Predicted step time with every rank's micro-batches heaviest first."""
-    grid = -np.sort(-_rank_costs(ranks, bins, K, cfg), axis=1)
+    grid = -np.sort(-_rank_costs(ranks, bins, K, cfg, bin_cost), axis=1)
     return grid_time(grid, cfg.sync)
 
 
@@ -128,77 +137,78 @@ def _min_count(ranks: _Ranks, cfg: PlanConfig) -> int:
     if cfg.micro_batch_size is not None:
         return int(cdiv(ranks.n, cfg.micro_batch_size).max(initial=1))
     cap = effective_cap(cfg)
-    return max((bins_lower_bound(lens, cap) for lens in ranks.lens), default=1)  # type: ignore[arg-type]
+    return max((bins_lower_bound(ranks.lens[r], cap, ranks.extra[r]) for r in ranks.busy.tolist()),  # type: ignore[arg-type]
+               default=1)
 
 
-def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: PlanConfig,
-                 min_micro_count: int = 1) -> LocalFit:
-    """K, packing and slots of one step's samples (``owner``: their ranks); see the module note."""
+def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: PlanConfig, min_micro_count: int = 1,
+                 layout: StepLayout | None = None, bin_cost: BinCost | None = None) -> LocalFit:
+    """K, packing and slots of one step's atoms (``owner``: their ranks); see the module note.
+
+    ``bin_cost(positions, bin_of, num_bins)``: the cost of bins of atoms (default: additive with
+    the cost model's packed-row term); ``layout``: a vision cap or a padded layout.
+    """
     D, a = cfg.dp_size, cfg.align
-    ranks = _Ranks(owner, lens, costs, D)
+    cost = cfg.cost
+    assert cost is not None
+    if bin_cost is None:
+        def bin_cost(p: np.ndarray, b: np.ndarray, nb: int) -> np.ndarray:
+            return bin_costs(cost, np.bincount(b, weights=costs[p], minlength=nb),  # type: ignore[arg-type]
+                             np.bincount(b, weights=lens[p], minlength=nb), np.bincount(b, minlength=nb))
+    ranks = _Ranks(owner, lens, costs, D, layout)
     K0 = round_up(max(_min_count(ranks, cfg), min_micro_count, 1), a)
     k_hi = int(ranks.n.min()) // a * a  # the largest aligned K with no placeholder
     if cfg.micro_batch_size is not None:
         K, bins, choice = K0, _pack(ranks, K0, cfg), None
     else:
-        cost, cp = cfg.cost, cfg.static_cp_size
-        assert cost is not None
+        cp = cfg.static_cp_size
 
         def lower_bounds(Ks: np.ndarray) -> np.ndarray:
-            per = [time_lower_bounds(c, ln, Ks, bins_per_k=1, gpus=cp, max_width=cp, cost=cost)
-                   for ln, c, n in zip(ranks.lens, ranks.costs, ranks.n) if n]
+            per = [time_lower_bounds(ranks.costs[r], ranks.lens[r], Ks, bins_per_k=1, gpus=cp, max_width=cp,
+                                     cost=cost) for r in ranks.busy.tolist()]
             return np.max(per, axis=0)
-        K, bins, choice = choose_k(K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync, probe="walk",
+        additive = is_additive(cost) and ranks.padded is None
+        K, bins, choice = choose_k(K0, k_hi, a, additive=additive, sync=cfg.sync, probe="walk",
                                    lower_bounds=lower_bounds, pack=lambda K: _pack(ranks, K, cfg),
-                                   time=lambda K, b: _time(ranks, b, K, cfg))
-    assert bins is not None  # at K >= n_r every rank packs one sample per bin
-    order = [arrange(row, 1, K)[0] for row in _rank_costs(ranks, bins, K, cfg)]  # slot m -> local bin
-    slot_of = [np.argsort(o) for o in order]                                    # local bin -> slot
+                                   time=lambda K, b: _time(ranks, b, K, cfg, bin_cost))
+    if bins is None:  # a padded rank may need more rows than its lower bound: walk on
+        while bins is None:
+            K += a
+            bins = _pack(ranks, K, cfg)
+    slot_of = [np.argsort(np.argsort(-row, kind="stable"), kind="stable")
+               for row in _rank_costs(ranks, bins, K, cfg, bin_cost)]  # local bin -> slot, heaviest first
     bin_of = np.empty(lens.size, dtype=np.int64)
-    for r, (p, b) in enumerate(zip(ranks.pos, bins)):
-        bin_of[p] = r * K + slot_of[r][b]
+    for r in ranks.busy.tolist():
+        bin_of[ranks.pos[r]] = r * K + slot_of[r][bins[r]]
     kept = np.arange(lens.size, dtype=np.int64)
     return LocalFit(kept, bin_of, K, choice, bool((ranks.n < K).any()))
 
 
-def plan_local_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray, cfg: PlanConfig, *,
-                    min_micro_count: int = 1) -> tuple[Step, np.ndarray, str]:
-    """The local-placement counterpart of the planner's per-step function.
+def fit_local(s: int, labels: np.ndarray, lens: np.ndarray, costs: np.ndarray, owner: np.ndarray,
+              rollouts: np.ndarray, cfg: PlanConfig, min_micro_count: int = 1, layout: StepLayout | None = None,
+              bin_cost: BinCost | None = None, *, short_step: str | None = None) -> LocalFit:
+    """The local-placement fit of one step's atoms, ``short_step`` applied (default: the config's).
 
-    ``min_micro_count``: the hook for a minimum K per rank (pipeline stages: K ≥ p), applied
-    before alignment.
+    ``labels``: the sample each atom names in refusals; ``rollouts``: the drop unit of each atom.
     """
-    assert batch.rank_of is not None
-    D = cfg.dp_size
-    lens, c, owner = batch.seq_lens[samples], costs[samples], batch.rank_of[samples]
-    check_cap(lens, samples, cfg)
-    fit = layout_local(lens, c, owner, cfg, min_micro_count)
-    if fit.short and cfg.short_step == "drop":
-        fit = _drop_trailing(s, samples, batch, c, cfg, min_micro_count)
-    elif fit.short and cfg.short_step == "error":
+    check_cap(lens, labels, cfg)
+    fit = layout_local(lens, costs, owner, cfg, min_micro_count, layout, bin_cost)
+    policy = cfg.short_step if short_step is None else short_step
+    if fit.short and policy == "drop":
+        return _drop_trailing(s, lens, costs, owner, rollouts, cfg, min_micro_count, layout, bin_cost)
+    if fit.short and policy == "error":
         raise PlanError(_short_message(s, owner, fit.K, cfg) + " Set short_step='pad' (placeholder micro-batches) "
                         "or 'drop' (drop trailing rollouts), or give those ranks more samples (balance the split "
                         "that dispatched them), raise max_tokens_per_micro, or lower align.")
-    K = fit.K
-    kept = samples[fit.kept]
-    assert cfg.loss is not None
-    coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
-    scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    parts = binned_micros(kept, fit.bin_of, D * K, scale, batch)
-    cp, trusted = cfg.static_cp_size, Micro._trusted
-    micros = [[trusted(*parts[r * K + m], cp, 0, (r,)) for m in range(K)] for r in range(D)]
-    dropped = np.setdiff1d(samples, kept)
-    why = (f"short_step='drop': trailing rollout dropped so every rank of step {s} fills its K micro-batches "
-           "with its own samples (placement='local')")
-    return Step(s, micros, np.sort(kept), choice=fit.choice), dropped, why
+    return fit
 
 
-def _drop_trailing(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray, cfg: PlanConfig,
-                   min_micro_count: int) -> LocalFit:
+def _drop_trailing(s: int, lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, rollouts: np.ndarray,
+                   cfg: PlanConfig, min_micro_count: int, layout: StepLayout | None,
+                   bin_cost: BinCost | None) -> LocalFit:
     """Keep the longest prefix of whole rollouts with which every rank fills K (no placeholder)."""
     D, a = cfg.dp_size, cfg.align
-    lens, owner = batch.seq_lens[samples], batch.rank_of[samples]  # type: ignore[index]
-    _, inverse = np.unique(batch.rollout_codes[samples], return_inverse=True)  # first-appearance order
+    _, inverse = np.unique(rollouts, return_inverse=True)  # first-appearance order
     R = int(inverse.max()) + 1
     n = _prefix_sums(owner, inverse, np.ones(lens.size), D, R)
     if cfg.micro_batch_size is not None:
@@ -213,7 +223,9 @@ def _drop_trailing(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
         if K_lb[keep - 1] > n[:, keep - 1].min():
             continue
         pos = np.flatnonzero(inverse < keep).astype(np.int64)
-        fit = layout_local(lens[pos], costs[pos], owner[pos], cfg, min_micro_count)
+        sub = None if bin_cost is None else (lambda p, b, nb, pos=pos: bin_cost(pos[p], b, nb))
+        fit = layout_local(lens[pos], costs[pos], owner[pos], cfg, min_micro_count,
+                           None if layout is None else layout.take(pos), sub)
         if not fit.short:
             return LocalFit(pos[fit.kept], fit.bin_of, fit.K, fit.choice, False)
     raise PlanError(_short_message(s, owner, None, cfg) + f" short_step='drop' found no prefix of whole rollouts "
@@ -222,7 +234,7 @@ def _drop_trailing(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
 
 
 def _prefix_sums(owner: np.ndarray, inverse: np.ndarray, values: np.ndarray, D: int, R: int) -> np.ndarray:
-    """``out[r, k]``: Σ values of rank r's samples in the first k+1 rollouts."""
+    """``out[r, k]``: Σ values of rank r's atoms in the first k+1 rollouts."""
     out = np.zeros((D, R))
     np.add.at(out, (owner, inverse), values)
     return np.cumsum(out, axis=1)
@@ -232,9 +244,10 @@ def _short_message(s: int, owner: np.ndarray, K: int | None, cfg: PlanConfig) ->
     n = np.bincount(owner, minlength=cfg.dp_size)
     if K is None:
         return (f"step {s}: with placement='local' no rank may run an empty micro-batch, but the ranks hold "
-                f"{n.min()}..{n.max()} samples.")
+                f"{n.min()}..{n.max()} packing atoms (samples, or prefix-tree parts with share_prefixes).")
     short = np.flatnonzero(n < K)
     listing = ", ".join(f"rank {r} has {n[r]}" for r in short[:8]) + (" ..." if short.size > 8 else "")
     return (f"step {s}: every rank runs K={K} micro-batches (the busiest rank needs them under "
             f"{'max_tokens_per_micro=' + str(cfg.max_tokens_per_micro) if cfg.dynamic else 'micro_batch_size'}, "
-            f"align={cfg.align}), but with placement='local' samples stay on their rank and {listing} sample(s).")
+            f"align={cfg.align}), but with placement='local' samples stay on their rank and {listing} "
+            "sample(s) (or prefix-tree parts).")

@@ -47,7 +47,7 @@ from ..footprint import Padding, round_up
 from ..types import KChoice
 from .assign import arrange
 
-__all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "runs_for_bins"]
+__all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
 MAX_EVALS = 12    # K values packed per step
 MAX_MOVES = 4000  # boundary moves tried per packing in the local search
@@ -359,3 +359,11 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
            f"(lower bound K={K0} from the padded tokens)")
     bin_of, m = found[K]
     return PaddedPacking(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
+
+
+def pack_padded_at(s: PaddedSamples, *, m: int, K: int, cap: int | None, micro_batch_size: int | None,
+                   vision_cap: int | None, cost: CostModel, sync: str) -> np.ndarray | None:
+    """m bins of one rank's samples at a given K (local placement), or None if the caps need more."""
+    caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
+    got = _bins_at(_Sorted(s, cost), m, 1, K, caps, float(cost.per_micro), sync)
+    return None if got is None else got[0]

@@ -1,0 +1,132 @@
+"""Atoms: what the packer places whole — a sample, a prefix tree, or a part of a tree cut at a branch.
+
+Design note. Every later stage (fit, arrange, CP, order, weigh) sees a step as atoms with
+arrays aligned by atom: the tokens the atom occupies alone (padding included, before the row
+multiple), its additive cost, its vision tokens, the rollout component it belongs to (the unit
+``short_step="drop"`` removes), its owner rank (``placement="local"``), and its member samples.
+Options are properties of this stage, so they compose:
+
+- plain plans: one atom per sample (vectorised, no Python per sample);
+- ``share_prefixes``: prefix trees whose trie fits a limit stay whole, larger ones are cut at
+  their branches (``trie.cut_trees``); tokens are unique trie tokens, each segment padded to
+  ``pad_to_multiple_of``; attention is priced by each token's depth (``tree_costs``); vision
+  tokens add up over the members (an image is never assumed shared);
+- ``placement="local"``: trees are cut per owner rank, so an atom never spans two ranks (what a
+  rank holds of a group shares what is local).
+
+Atoms joined by a rollout (a rollout cut over two tree parts) share a component code, so a drop
+never splits a rollout. Cost: O(n) numpy for samples; the tree cut is ``trie.cut_trees``.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+from ..errors import PlanError
+from ..trie import cut_trees
+from .context import PlanContext
+
+__all__ = ["Atoms", "sample_atoms", "tree_atoms"]
+
+
+class Atoms(NamedTuple):
+    """One step's atoms (arrays aligned by atom; ``members[ptr[a]:ptr[a+1]]`` are atom a's samples)."""
+
+    tokens: np.ndarray            # int64 tokens the atom occupies alone (padding included, no row multiple)
+    costs: np.ndarray             # float64 additive cost (vision included)
+    rollouts: np.ndarray          # int64 drop unit: the smallest rollout code of the atom's component
+    label: np.ndarray             # int64 a member sample, named in refusals
+    members: np.ndarray           # int64 global sample ids, atom by atom
+    ptr: np.ndarray               # int64 [A + 1]
+    owner: np.ndarray | None      # int64 rank of each atom (placement="local"), else None
+    vision: np.ndarray | None     # int64 vision tokens (only when a vision cap applies), else None
+    trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.size)
+
+    def samples_of(self, atoms: np.ndarray) -> np.ndarray:
+        """The member samples of the given atoms, atom by atom."""
+        if not atoms.size:
+            return np.zeros(0, dtype=np.int64)
+        lo, hi = self.ptr[atoms], self.ptr[atoms + 1]
+        idx = np.repeat(lo - np.cumsum(np.concatenate([[0], (hi - lo)[:-1]])), hi - lo) + np.arange(int((hi - lo).sum()))
+        return self.members[idx]
+
+    def take(self, pos: np.ndarray) -> Atoms:
+        """The atoms at ``pos`` (a sub-step, e.g. the kept prefix of ``short_step="drop"``)."""
+        counts = self.ptr[pos + 1] - self.ptr[pos]
+        pick = lambda a: None if a is None else a[pos]  # noqa: E731
+        return Atoms(self.tokens[pos], self.costs[pos], self.rollouts[pos], self.label[pos], self.samples_of(pos),
+                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), pick(self.owner), pick(self.vision),
+                     self.trees)
+
+
+def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
+    """One atom per sample (what the plain planner packs; sharing plans still share inside a bin)."""
+    fp, b = ctx.fp, ctx.batch
+    vis = None if ctx.vision_cap is None else fp.vision_tokens[samples]  # type: ignore[index]
+    return Atoms(fp.sample_tokens[samples], ctx.costs[samples], b.rollout_codes[samples], samples, samples,
+                 np.arange(samples.size + 1, dtype=np.int64), None if ctx.owner is None else ctx.owner[samples],
+                 vis, ctx.cfg.share_prefixes)
+
+
+def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
+    """Prefix trees of the step cut into parts of at most ``limit`` trie tokens (per owner rank
+    under local placement)."""
+    cfg, fp, b = ctx.cfg, ctx.fp, ctx.batch
+    cost = cfg.cost
+    if not hasattr(cost, "tree_costs"):
+        raise PlanError(f"share_prefixes=True needs a cost model that prices prefix trees (tree_costs): "
+                        f"{type(cost).__name__} has none; use TokenCost or FlopsCost.")
+    groups = [samples] if ctx.owner is None else \
+        [samples[ctx.owner[samples] == r] for r in np.unique(ctx.owner[samples]).tolist()]
+    mult = fp.padding.sample_multiple
+    atom_of, tokens, dsq, owner, base = [], [], [], [], 0
+    for g in groups:
+        cut = cut_trees(ctx.parent, ctx.shared, b.seq_lens, g, limit, multiple=mult)
+        atom_of.append(cut.atom_of + base)
+        tokens.append(cut.tokens)
+        dsq.append(cut.depth_sq)
+        if ctx.owner is not None:
+            owner.append(np.full(cut.tokens.size, int(ctx.owner[g[0]]), dtype=np.int64))
+        base += cut.tokens.size
+    a_of = np.concatenate(atom_of)
+    order = np.argsort(a_of, kind="stable")
+    members = np.concatenate(groups)[order]
+    tok = np.concatenate(tokens).astype(np.int64)
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(a_of, minlength=base))]).astype(np.int64)
+    costs = cost.tree_costs(tok.astype(np.float64), np.concatenate(dsq))  # type: ignore[attr-defined]
+    if fp.vision_costs is not None:
+        costs = costs + np.bincount(a_of, weights=fp.vision_costs[np.concatenate(groups)], minlength=base)
+    vis = None if ctx.vision_cap is None else \
+        np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
+    return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
+                 np.concatenate(owner) if owner else None, vis, True)
+
+
+def _components(members: np.ndarray, ptr: np.ndarray, rollout_codes: np.ndarray) -> np.ndarray:
+    """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts)."""
+    codes = rollout_codes[members]
+    A = ptr.size - 1
+    atom = np.repeat(np.arange(A), np.diff(ptr))
+    first = np.full(A, np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(first, atom, codes)
+    if np.array_equal(first[atom], codes):  # every atom holds whole rollouts of one code: no joins
+        return first
+    boss = {int(c): int(c) for c in np.unique(codes).tolist()}
+
+    def find(c: int) -> int:
+        while boss[c] != c:
+            boss[c] = boss[boss[c]]
+            c = boss[c]
+        return c
+
+    for a, c in zip(atom.tolist(), codes.tolist()):
+        x, y = find(int(first[a])), find(c)
+        if x != y:
+            boss[max(x, y)] = min(x, y)
+    return np.array([find(int(c)) for c in first.tolist()], dtype=np.int64)

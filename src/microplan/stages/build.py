@@ -1,0 +1,59 @@
+"""A laid-out step as its micro-batches: members in execution order, tries, CP degree, loss scales.
+
+Design note. The last stages of the flow on one step's :class:`~microplan.stages.place.Layout`:
+each (rank, slot) of the grid becomes a :class:`~microplan.types.Micro` holding its bin's
+samples — ascending global index for flat rows, depth-first order with the bin's prefix trie
+for tree rows (``prefix.micro_tree``) — and every sample gets its loss scale
+(``weigh.loss_scales``, over the step's kept samples, with the step's K). Flat bins cost one
+stable argsort and dp·K slices (no per-sample Python); tree bins one trie each.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..prefix import dfs_order, micro_tree
+from ..types import Micro, Step
+from .context import PlanContext
+from .micros import binned_micros
+from .place import Layout
+from .weigh import loss_coefficients, loss_scales
+
+__all__ = ["build_step"]
+
+
+def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
+    """The Step of a layout: micro-batches on the grid, loss scales exact over the kept samples."""
+    cfg, b = ctx.cfg, ctx.batch
+    D, K = cfg.dp_size, lay.K
+    atoms = lay.atoms
+    counts = atoms.ptr[lay.kept + 1] - atoms.ptr[lay.kept]
+    samples = atoms.samples_of(lay.kept)
+    sbin = np.repeat(lay.bin_of, counts)
+    order = np.argsort(samples, kind="stable")
+    kept, sbin = samples[order], sbin[order]       # ascending global index
+    assert cfg.loss is not None
+    coef = loss_coefficients(cfg.loss, b.loss_tokens[kept], b.prompt_codes[kept], b.rollout_codes[kept])
+    scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
+    parts = binned_micros(kept, sbin, D * K, scale, b)
+    cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
+    if not atoms.trees:
+        micros = [[trusted(*parts[g], cp, 0, (r,), footprint=mfp) for g in lay.grid[r].tolist()] for r in range(D)]
+        return Step(s, micros, kept, choice=lay.choice)
+    micros = []
+    for r in range(D):
+        row = []
+        for g in lay.grid[r].tolist():
+            idx = parts[g][0]
+            if not idx.size:
+                row.append(trusted(*parts[g], cp, 0, (r,), footprint=mfp))
+                continue
+            dfs = dfs_order(ctx.parent, ctx.shared, idx)
+            at = np.searchsorted(kept, dfs)
+            cols = [dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[at].astype(np.float64)]
+            for c in cols:
+                c.setflags(write=False)
+            tree = micro_tree(ctx.parent, ctx.shared, b.seq_lens, dfs)
+            row.append(trusted(*cols, cp, 0, (r,), tree, footprint=mfp))
+        micros.append(row)
+    return Step(s, micros, kept, choice=lay.choice)

@@ -1,0 +1,71 @@
+"""Which atoms a step is packed as: one candidate per granularity, the best by predicted time.
+
+Design note. Without sharing a step's atoms are its samples: one layout. With
+``share_prefixes`` whole trees save the most tokens but balance coarsely when a step holds few
+large trees per rank, and cutting them duplicates root paths. So the step is laid out with
+whole trees (cut only where a tree exceeds the cap), with trees cut into parts of about the
+mean micro-batch load and half of it, and with one atom per sample (each micro-batch's samples
+still share their trie); the layout with the least predicted step time (then the fewest
+tokens) is kept. ``short_step`` is applied across candidates, not inside each one: a step that
+some candidate lays out without placeholders is planned identically under ``pad``, ``drop``
+and ``error``; only when none can does ``error`` raise (counting samples, not tree parts) and
+``drop`` drop whole trailing rollouts from the candidate that keeps the most samples.
+
+Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
+exactly what the plain planner packs. Cost: up to four layouts per sharing step (one without).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import PlanError
+from .atoms import sample_atoms, tree_atoms
+from .context import PlanContext
+from .fit import effective_cap
+from .place import Layout, lay_out
+
+__all__ = ["best_layout", "CUT_FRACTIONS"]
+
+CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
+
+
+def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
+    """The step's layout (module note)."""
+    if not ctx.cfg.share_prefixes:
+        return lay_out(s, sample_atoms(samples, ctx), ctx)
+    cap = effective_cap(ctx.cfg)
+    assert cap is not None  # share_prefixes needs dynamic batching (config.py)
+    atoms = [tree_atoms(samples, ctx, cap)]
+    first = lay_out(s, atoms[0], ctx, short_step="pad")
+    cands = [first]
+    mean = float(first.bin_tokens.sum()) / max(first.bin_tokens.size, 1)
+    largest, tried = int(first.bin_tokens.max(initial=0)), {cap}
+    for frac in CUT_FRACTIONS:
+        limit = max(1, int(mean * frac))
+        if limit < largest and limit not in tried:
+            tried.add(limit)
+            atoms.append(tree_atoms(samples, ctx, limit))
+            cands.append(lay_out(s, atoms[-1], ctx, short_step="pad"))
+    atoms.append(sample_atoms(samples, ctx))
+    cands.append(lay_out(s, atoms[-1], ctx, short_step="pad"))
+    policy = ctx.cfg.short_step
+    full = [c for c in cands if c.placeholders == 0]
+    if policy == "pad":
+        return min(cands, key=Layout.key)
+    if full:
+        return min(full, key=Layout.key)
+    if policy == "error":
+        return lay_out(s, atoms[-1], ctx)  # raises, counting samples (one atom per sample)
+    best, err = None, None
+    for a in atoms:  # drop: every granularity, the fewest samples dropped, then time
+        try:
+            c = lay_out(s, a, ctx)
+        except PlanError as exc:
+            err = exc
+            continue
+        if best is None or c.key() < best.key():
+            best = c
+    if best is None:
+        raise err  # type: ignore[misc]
+    return best

@@ -1,0 +1,119 @@
+"""Lay a step's atoms out: placement → K by predicted time → pack under the cap → bin footprints → slots.
+
+Design note. One function, :func:`lay_out`, whatever the atoms are (samples or prefix-tree
+parts) and wherever they may go:
+
+1. placement: ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
+   slot-target packing, ``short_step``); ``local`` packs each owner rank's atoms into its own K
+   bins with one K for every rank (``local.fit_local``). Both see the same atom arrays and the
+   same layout view (a vision cap every packer keeps; a padded layout's row geometry);
+2. bins: the footprint of each bin (``footprint.bin_footprint``: padded samples, or the union
+   trie of its samples — two parts of one tree in one bin share their root path again) and its
+   cost, from the one footprint function the cap, ``validate`` and the stats use;
+3. slots: ``assign.arrange`` (global) or each rank's bins heaviest first (local), and the
+   predicted step time under ``sync`` (static CP divides a bin's work over its group).
+
+Guarantees: the fit's (equal K, aligned, every bin under the cap as the footprint counts it,
+no rollout split by a drop). Cost: one fit (usually one packing) and one footprint pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import NamedTuple
+
+import numpy as np
+
+from ..footprint import bin_footprint
+from ..types import KChoice
+from .assign import arrange, grid_time
+from .atoms import Atoms
+from .context import PlanContext
+from .fit import fit_step
+from .layout import StepLayout, step_layout
+from .local import fit_local
+
+__all__ = ["Layout", "lay_out"]
+
+
+class Layout(NamedTuple):
+    """One step's atoms laid out on the ranks × slots grid."""
+
+    atoms: Atoms
+    kept: np.ndarray          # atom positions that train
+    dropped: np.ndarray       # atom positions dropped by short_step="drop"
+    bin_of: np.ndarray        # bin (0..dp·K-1) of each kept atom
+    grid: np.ndarray          # [dp, K] bin run by rank r in slot m
+    K: int
+    choice: KChoice | None
+    bin_tokens: np.ndarray    # footprint of each bin (what the cap counts)
+    bin_costs: np.ndarray     # predicted cost of each bin (whole group under static CP)
+    time: float               # predicted step time under cfg.sync
+
+    @property
+    def placeholders(self) -> int:
+        """Bins holding no atom."""
+        return int((np.bincount(self.bin_of, minlength=self.grid.size) == 0).sum())
+
+    @property
+    def dropped_samples(self) -> np.ndarray:
+        return np.sort(self.atoms.samples_of(self.dropped))
+
+    def key(self) -> tuple[int, float, int]:
+        """Candidates compare by fewest dropped samples, then predicted time, then tokens."""
+        return (int(self.atoms.ptr[self.dropped + 1].sum() - self.atoms.ptr[self.dropped].sum()), self.time,
+                int(self.bin_tokens.sum()))
+
+
+def _view(atoms: Atoms, ctx: PlanContext) -> StepLayout | None:
+    """What the packers must respect besides the cap: a padded layout (samples) or a vision cap."""
+    if not atoms.trees and ctx.mfp is not None:
+        return step_layout(ctx.mfp, atoms.members, ctx.cfg)
+    if atoms.vision is not None:
+        return StepLayout(None, (atoms.vision, ctx.vision_cap))  # type: ignore[arg-type]
+    return None
+
+
+def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = None) -> Layout:
+    """Fit, bin footprints and slots of one step's atoms (``short_step``: the config's by default)."""
+    cfg = ctx.cfg
+    D = cfg.dp_size
+    policy = cfg.short_step if short_step is None else short_step
+    view = _view(atoms, ctx)
+    if ctx.local:
+        fit = fit_local(s, atoms.label, atoms.tokens, atoms.costs, atoms.owner, atoms.rollouts, cfg,  # type: ignore[arg-type]
+                        ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
+        kept, bin_of, K, choice = fit.kept, fit.bin_of, fit.K, fit.choice
+    else:
+        run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
+        f = fit_step(s, atoms.label, atoms.tokens, atoms.costs, atoms.rollouts, run_cfg, view)
+        kept, bin_of, K, choice = f.kept, f.bin_of, f.micro_count, f.choice
+    dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
+    tokens, costs = _bins(atoms, kept, bin_of, D * K, ctx)
+    cp = cfg.static_cp_size
+    per_gpu = costs if cp == 1 else (costs - cfg.cost.per_micro) / cp + cfg.cost.per_micro  # type: ignore[union-attr]
+    if ctx.local:  # each rank's own bins, heaviest first
+        grid = np.argsort(-per_gpu.reshape(D, K), axis=1, kind="stable") + (np.arange(D) * K)[:, None]
+    else:
+        grid = arrange(per_gpu, D, K)
+    return Layout(atoms, kept, dropped, bin_of, grid, K, choice, tokens, costs, grid_time(per_gpu[grid], cfg.sync))
+
+
+def _bins(atoms: Atoms, kept: np.ndarray, bin_of: np.ndarray, nb: int, ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
+    """Footprint and cost of every bin (``footprint.bin_footprint``)."""
+    counts = atoms.ptr[kept + 1] - atoms.ptr[kept]
+    samples = atoms.samples_of(kept)
+    sbin = np.repeat(bin_of, counts)
+    forest = (ctx.parent, ctx.shared) if atoms.trees else None
+    return bin_footprint(ctx.fp, ctx.cfg.cost, samples, sbin, nb, forest=forest)  # type: ignore[arg-type]
+
+
+def _atom_bin_cost(atoms: Atoms, ctx: PlanContext):
+    """Local placement's bin cost for atoms at positions ``p`` in bins ``b`` (padded layouts: the
+    rows' real shape; otherwise additive over atoms with the packed-row term)."""
+    if atoms.trees or ctx.mfp is None or not ctx.mfp.padded:
+        return None
+
+    def cost(p: np.ndarray, b: np.ndarray, nb: int) -> np.ndarray:
+        return ctx.fp.bin_costs(ctx.cfg.cost, atoms.label[p], b, nb)  # type: ignore[arg-type]
+    return cost
