@@ -109,28 +109,33 @@ def test_unsupported_combinations_are_refused():
 # -- planning -------------------------------------------------------------------------------------
 
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 40), limit=st.integers(1, 120),
-       p_link=st.sampled_from([0.3, 0.7, 0.95]))
-def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link):
-    """stages/share._atoms (the fast subtree arithmetic) against token-id tries: every sample in
-    exactly one atom, each atom's token count is its members' trie (counted from the ids), and
-    only a lone sample longer than the limit exceeds it."""
+       p_link=st.sampled_from([0.3, 0.7, 0.95]), multiple=st.sampled_from([1, 1, 4]))
+def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link, multiple):
+    """trie.cut_trees (the atoms of share_prefixes) against token-id tries: every sample in
+    exactly one atom, each atom's token count is its members' trie (counted from the ids; each
+    segment padded to the multiple), and only a lone sample longer than the limit exceeds it."""
     from microplan.prefix import micro_tree, sample_forest
-    from microplan.stages.share import _atoms
+    from microplan.trie import cut_trees
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 60, size=n)
     toks, parent, shared = realise(rng, lens, p_link=p_link)
     step = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False))  # a step: any subset
-    atoms = _atoms(step, parent, shared, lens, limit)
-    assert sorted(i for a in atoms for i in a.members) == step.tolist()
-    for a in atoms:
-        assert a.tokens == trie_size(toks, a.members)
-        t = micro_tree(parent, shared, lens, a.members)   # the Σ depth² the cost sees, as the plan's trees count it
-        assert (a.tokens, a.depth_sq) == (t.num_tokens, t.depth_sq)
-        assert a.tokens <= limit or (len(a.members) == 1 and lens[a.members[0]] > limit)
-    whole = _atoms(step, parent, shared, lens, 10**9)   # no limit: one atom per tree of the step
+    cut = cut_trees(parent, shared, lens, step, limit, multiple=multiple)
+    assert cut.atom_of.shape == step.shape and set(cut.atom_of.tolist()) == set(range(cut.tokens.size))
+    for a in range(cut.tokens.size):
+        members = step[cut.atom_of == a]
+        t = micro_tree(parent, shared, lens, members)   # the Σ depth² the cost sees, as the plan's trees count it
+        padded = int((-(-(t.end - t.start) // multiple) * multiple).sum())
+        assert (int(cut.tokens[a]), float(cut.depth_sq[a])) == (padded, float(t.depth_sq))
+        if multiple == 1:
+            assert cut.tokens[a] == trie_size(toks, members.tolist())
+        # a lone sample may exceed the limit: alone it is longer, or (with a multiple) its path's
+        # segments pad to more (each segment of a tree row is padded on its own)
+        assert cut.tokens[a] <= limit or members.size == 1
+    whole = cut_trees(parent, shared, lens, step, 10**9)   # no limit: one atom per tree of the step
     roots, _ = sample_forest(parent, shared, step)
-    assert [a.members[0] for a in whole] == roots
-
+    firsts = [int(step[np.flatnonzero(whole.atom_of == a)[0]]) for a in range(whole.tokens.size)]
+    assert sorted(firsts) == sorted(roots) and whole.tokens.size == len(roots)
 
 
 @given(data=st.data(), case=cases(max_samples=60, max_cap=200))

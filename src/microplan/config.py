@@ -442,11 +442,11 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
                         "a shared prefix cannot be stored once. Use layout='varlen' (padding multiples and "
                         "pad_row_to_multiple_of compose with sharing), or plan without sharing.")
     cp = cfg.context_parallel
-    if cp is not None and cp.dynamic and any(getattr(cfg, k) != d for k, d in _LAYOUT_DEFAULTS.items()
-                                            if k != "vision_cost"):
-        raise PlanError("layouts other than plain varlen (layout, pad_to_multiple_of, pad_row_to_multiple_of, "
-                        "max_vision_tokens_per_micro) are not supported with dynamic context parallel yet; use "
-                        "ContextParallel(size=c) (fixed CP) or the defaults.")
+    if cp is not None and cp.dynamic and cfg.layout != "varlen":
+        raise PlanError(f"layout={cfg.layout!r} is not supported with dynamic context parallel "
+                        "(ContextParallel(max_size=...)): its CP groups split packed varlen rows. Use "
+                        "layout='varlen' (padding multiples and a vision cap compose with dynamic CP), or "
+                        "ContextParallel(size=c).")
 
 
 def _layout_dict(cfg: PlanConfig) -> dict[str, Any]:

@@ -261,11 +261,14 @@ def micro_footprint(fp: Footprint) -> Footprint | None:
     return None if fp.padding.trivial and fp.vision_tokens is None else fp
 
 
-def check_fits(fp: Footprint, config: PlanConfig) -> None:
-    """Refuse a sample that fits no micro-batch on its own, counting its padding (PlanError)."""
+def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> None:
+    """Refuse a sample that fits no micro-batch on its own, counting its padding (PlanError).
+    ``tokens=False``: check only the vision cap (prefix trees check their tokens as atoms)."""
     cp = config.context_parallel
-    if config.max_tokens_per_micro is None or (cp is not None and cp.dynamic):
-        return  # static batching has no token cap; dynamic CP sizes groups to the sample (stages/cp.py)
+    if config.max_tokens_per_micro is None:
+        return  # static batching has no token cap
+    if not tokens or (cp is not None and cp.dynamic):  # dynamic CP sizes groups to the sample (stages/cp.py)
+        return _check_vision(fp, config)
     cap = config.max_tokens_per_micro * config.static_cp_size
     alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
     if alone.size and int(alone.max()) > cap:
@@ -278,6 +281,10 @@ def check_fits(fp: Footprint, config: PlanConfig) -> None:
         raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}, more than one micro-batch may hold "
                         f"({where}); raise max_tokens_per_micro, enable context_parallel, lower the padding "
                         "multiples, or truncate the sample.")
+    _check_vision(fp, config)
+
+
+def _check_vision(fp: Footprint, config: PlanConfig) -> None:
     vcap = config.max_vision_tokens_per_micro
     if vcap is not None and fp.vision_tokens is not None and fp.vision_tokens.size and int(fp.vision_tokens.max()) > vcap:
         j = int(np.argmax(fp.vision_tokens))

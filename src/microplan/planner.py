@@ -67,7 +67,7 @@ def _plan_step(s: int, samples: np.ndarray, ctx: PlanContext) -> tuple[Step, np.
     """One step through the flow of the module note."""
     cfg = ctx.cfg
     if cfg.context_parallel is not None and cfg.context_parallel.dynamic:   # fit + arrange + cp with widths
-        step, dropped, _ = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg)
+        step, dropped, _ = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg, ctx.fp)
     else:
         lay = best_layout(s, samples, ctx)          # atoms → footprint → placement → K → pack → arrange
         step, dropped = build_step(s, lay, ctx), lay.dropped_samples   # micro-batches, weigh
@@ -97,8 +97,7 @@ def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> P
         raise PlanError(f"min_micro_count={min_micro_count} is applied by placement='local' only; plan with "
                         "PlanConfig(placement='local', ...), or PlanConfig(pipeline_stages=...) for a global plan.")
     ctx = plan_context(batch, config, _min_count(config, min_micro_count))
-    if not config.share_prefixes:
-        check_fits(ctx.fp, config)  # a tree's samples are checked as atoms (trie tokens)
+    check_fits(ctx.fp, config, tokens=not config.share_prefixes)  # a tree's tokens are checked as atoms (tries)
     return ctx
 
 

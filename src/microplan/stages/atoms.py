@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
-from ..trie import cut_trees
+from ..trie import TreeCut, cut_trees, set_tries
 from .context import PlanContext
 
 __all__ = ["Atoms", "sample_atoms", "tree_atoms"]
@@ -87,7 +87,7 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
     mult = fp.padding.sample_multiple
     atom_of, tokens, dsq, owner, base = [], [], [], [], 0
     for g in groups:
-        cut = cut_trees(ctx.parent, ctx.shared, b.seq_lens, g, limit, multiple=mult)
+        cut = _vision_safe(cut_trees(ctx.parent, ctx.shared, b.seq_lens, g, limit, multiple=mult), g, ctx)
         atom_of.append(cut.atom_of + base)
         tokens.append(cut.tokens)
         dsq.append(cut.depth_sq)
@@ -106,6 +106,28 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
         np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
     return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
                  np.concatenate(owner) if owner else None, vis, True)
+
+
+def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:
+    """Atoms over the vision cap (a tree's images add up; the cut counts only tokens) fall apart
+    into one atom per sample, each within the cap (``footprint.check_fits``)."""
+    vcap = ctx.vision_cap
+    if vcap is None:
+        return cut
+    vis = np.bincount(cut.atom_of, weights=ctx.fp.vision_tokens[g], minlength=cut.tokens.size)  # type: ignore[index]
+    bad = vis > vcap
+    if not bad.any():
+        return cut
+    loose = bad[cut.atom_of]                                   # samples of the atoms over the cap
+    keep = np.flatnonzero(~bad)
+    renum = np.full(cut.tokens.size, -1, dtype=np.int64)
+    renum[keep] = np.arange(keep.size)
+    atom_of = renum[cut.atom_of]
+    atom_of[loose] = keep.size + np.arange(int(loose.sum()))
+    singles = set_tries(ctx.parent, ctx.shared, ctx.batch.seq_lens, g[loose], np.arange(int(loose.sum())),
+                        int(loose.sum()), multiple=ctx.fp.padding.sample_multiple)
+    return TreeCut(atom_of, np.concatenate([cut.tokens[keep], singles.tokens]),
+                   np.concatenate([cut.depth_sq[keep], singles.depth_sq]))
 
 
 def _components(members: np.ndarray, ptr: np.ndarray, rollout_codes: np.ndarray) -> np.ndarray:

@@ -37,11 +37,12 @@ import numpy as np
 
 from ..batch import Batch
 from ..config import ContextParallel, PlanConfig
-from ..cost.models import bin_costs
 from ..errors import PlanError
+from ..footprint import Footprint, footprint_of, micro_footprint
 from ..types import Micro, Step
 from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
+from .layout import step_layout
 from .micros import binned_micros
 from .pack import lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
@@ -49,9 +50,17 @@ from .weigh import loss_coefficients, loss_scales
 __all__ = ["plan_dynamic_cp_step", "cp_degrees"]
 
 
+def gpu_cap(cfg: PlanConfig) -> int:
+    """Tokens one GPU may hold, lowered to the row multiple (a group of w GPUs then holds a row
+    rounded up to the multiple within w × cap)."""
+    r = cfg.pad_row_to_multiple_of
+    return int(cfg.max_tokens_per_micro) // r * r  # type: ignore[arg-type]
+
+
 def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig) -> np.ndarray:
-    """Smallest power-of-two CP degree per sample that keeps each GPU under the cap."""
-    cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
+    """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
+    what each sample occupies, its padding included)."""
+    cap, cmax = gpu_cap(cfg), cfg.context_parallel.max_size  # type: ignore[union-attr]
     need = -(-lens // cap)  # type: ignore[operator]
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
     deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
@@ -124,9 +133,11 @@ def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple
     return long_w, {w: c for w, c in empty.items() if c}
 
 
-def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int) -> _Layout | None | str:
-    """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty."""
-    D, cap = cfg.dp_size, cfg.max_tokens_per_micro
+def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int,
+         extra: tuple[np.ndarray, int] | None = None) -> _Layout | None | str:
+    """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty.
+    ``extra``: (vision tokens, vision cap per micro-batch) every group keeps."""
+    D, cap = cfg.dp_size, gpu_cap(cfg)
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
@@ -146,7 +157,11 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
     bin_of = np.empty(lens.size, dtype=np.int64)
     bin_of[long] = np.arange(long.size)
     if short.size:
-        sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens)
+        ex, x0 = None, None
+        if extra is not None:  # long samples' vision tokens already sit in their groups
+            ex, x0 = (extra[0][short], extra[1]), np.zeros(nb, dtype=np.int64)
+            x0[: long.size] = extra[0][long]
+        sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0)
         if sb is None:
             return None
         bin_of[short] = sb
@@ -189,16 +204,18 @@ def _arrange(width: np.ndarray, load: np.ndarray, D: int, K: int) -> list[list[t
 def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
     """Lower bound on K: GPU-slots for the tokens and for the long samples' groups (and the
     pipeline stages), aligned."""
-    D, cap = cfg.dp_size, cfg.max_tokens_per_micro
+    D, cap = cfg.dp_size, gpu_cap(cfg)
     gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
     return int(min_micro_count(_cdiv(gpu_slots, D), cfg))
 
 
 def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
-                 allow_short: bool) -> tuple[_Layout, int] | None:
+                 allow_short: bool, extra: tuple[np.ndarray, int] | None = None) -> tuple[_Layout, int] | None:
     a, K = cfg.align, _min_slots(lens, deg, cfg)
+    if extra is not None:  # the vision cap bounds K from below too
+        K = max(K, int(min_micro_count(_cdiv(_cdiv(int(extra[0].sum()), extra[1]), cfg.dp_size), cfg)))
     while True:
-        got = _try(lens, costs, deg, cfg, K)
+        got = _try(lens, costs, deg, cfg, K, extra)
         if isinstance(got, _Layout):
             return got, K
         if got == "short":
@@ -231,25 +248,33 @@ def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfi
 
 
 def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
-                         cfg: PlanConfig) -> tuple[Step, np.ndarray, str]:
-    """The dynamic-CP counterpart of the planner's per-step function."""
+                         cfg: PlanConfig, fp: Footprint | None = None) -> tuple[Step, np.ndarray, str]:
+    """Fit, arrangement and CP groups of one step under dynamic context parallel.
+
+    ``fp``: the plan's footprint (``footprint.py``): samples occupy their padded lengths
+    (``pad_to_multiple_of``), rows round to ``pad_row_to_multiple_of`` within the group's cap, and
+    a vision cap holds per micro-batch (CP group). Default: plain varlen rows.
+    """
     D = cfg.dp_size
-    lens = batch.seq_lens[samples]
+    fp = footprint_of(batch, cfg) if fp is None else fp
+    lens = fp.sample_tokens[samples]
+    vcap = cfg.max_vision_tokens_per_micro
+    extra = (fp.vision_tokens[samples], vcap) if vcap is not None and fp.vision_tokens is not None else None
     deg = cp_degrees(lens, samples, cfg)
     c = costs[samples]
     keep = np.arange(samples.size)
-    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad")
+    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad", extra=extra)
     if got is None and cfg.short_step == "drop":
-        got, keep = _drop(s, samples, batch, c, deg, cfg)
+        got, keep = _drop(s, samples, batch, c, deg, cfg, lens, extra)
     if got is None:
         raise PlanError(_short_message(s, samples.size, lens, deg, cfg))
     layout, K = got
     kept = samples[keep]
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
-    best = _mixed_grid(layout, K, kept, batch, coef, c[keep], cfg)
+    best = _mixed_grid(layout, K, kept, batch, coef, c[keep], cfg, fp)
     for w in _uniform_widths(deg[keep], cfg):
-        cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg)
+        cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
             best = cand
     dropped = np.setdiff1d(samples, kept)
@@ -270,20 +295,19 @@ def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
 
 
 def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
-                cfg: PlanConfig) -> _Candidate:
+                cfg: PlanConfig, fp: Footprint) -> _Candidate:
     """The mixed-width layout found by width-aware packing, as a grid of Micros."""
     D = cfg.dp_size
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     nb = layout.width.size
-    tokens = np.bincount(layout.bin_of, weights=batch.seq_lens[kept], minlength=nb)
-    body = bin_costs(cfg.cost, np.bincount(layout.bin_of, weights=c, minlength=nb), tokens,  # type: ignore[arg-type]
-                     np.bincount(layout.bin_of, minlength=nb))
+    body = fp.bin_costs(cfg.cost, kept, layout.bin_of, nb)  # type: ignore[arg-type]
     body -= cfg.cost.per_micro  # type: ignore[union-attr]
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
     body[empty] = cfg.cost.micro_cost([1]) - cfg.cost.per_micro  # type: ignore[union-attr]
     bin_load = body / layout.width
     rank_cost = np.full((D, K), cfg.cost.per_micro)  # type: ignore[union-attr]
     bins = binned_micros(kept, layout.bin_of, nb, scale, batch)
+    mfp = micro_footprint(fp)
     grid: list[list[Micro | None]] = [[None] * K for _ in range(D)]
     for m, slot in enumerate(layout.slots):
         for b, start in slot:
@@ -291,7 +315,7 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
             group = tuple(range(start, start + w))
             rank_cost[start:start + w, m] += bin_load[b]
             for q, r in enumerate(group):
-                grid[r][m] = Micro._trusted(*bins[b], w, q, group)
+                grid[r][m] = Micro._trusted(*bins[b], w, q, group, footprint=mfp)
     return _Candidate(grid, _step_time(rank_cost, cfg))  # type: ignore[arg-type]
 
 
@@ -306,7 +330,7 @@ def _uniform_widths(deg: np.ndarray, cfg: PlanConfig) -> list[int]:
 
 
 def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
-                  cfg: PlanConfig) -> _Candidate | None:
+                  cfg: PlanConfig, fp: Footprint) -> _Candidate | None:
     """Every group w wide: the fixed-CP plan of D / w groups, when it needs no placeholder.
 
     Fixed CP is one point of the dynamic search space; trying it makes dynamic CP never predicted
@@ -314,24 +338,23 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     """
     D = cfg.dp_size
     sub = replace(cfg, dp_size=D // w, context_parallel=ContextParallel(size=w), short_step="pad")
-    lens = batch.seq_lens[kept]
+    lens = fp.sample_tokens[kept]
     try:
-        fit = fit_step(0, kept, lens, c, batch.rollout_codes[kept], sub)
+        fit = fit_step(0, kept, lens, c, batch.rollout_codes[kept], sub, step_layout(micro_footprint(fp), kept, sub))
     except PlanError:
         return None
     K, groups = fit.micro_count, D // w
     if fit.num_bins != groups * K:
         return None
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
-    tokens = np.bincount(fit.bin_of, weights=lens, minlength=groups * K)
-    micro_cost = bin_costs(cfg.cost, np.bincount(fit.bin_of, weights=c, minlength=groups * K),  # type: ignore[arg-type]
-                           tokens, np.bincount(fit.bin_of, minlength=groups * K)) - cfg.cost.per_micro  # type: ignore[union-attr]
+    micro_cost = fp.bin_costs(cfg.cost, kept, fit.bin_of, groups * K) - cfg.cost.per_micro  # type: ignore[arg-type,union-attr]
     placed = arrange(micro_cost, groups, K)
     bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
     grid: list[list[Micro]] = []
     for g in range(groups):
         group = tuple(range(g * w, (g + 1) * w))
-        grid.extend([Micro._trusted(*bins[b], w, q, group) for b in placed[g]] for q in range(w))
+        grid.extend([Micro._trusted(*bins[b], w, q, group, footprint=micro_footprint(fp)) for b in placed[g]]
+                    for q in range(w))
     rank_cost = micro_cost[placed] / w + cfg.cost.per_micro  # type: ignore[union-attr]
     return _Candidate(grid, _step_time(rank_cost, cfg))
 
@@ -352,15 +375,15 @@ def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanC
             "ContextParallel.max_size.")
 
 
-def _drop(s: int, samples: np.ndarray, batch: Batch, c: np.ndarray, deg: np.ndarray,
-          cfg: PlanConfig) -> tuple[tuple[_Layout, int] | None, np.ndarray]:
+def _drop(s: int, samples: np.ndarray, batch: Batch, c: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
+          lens: np.ndarray, extra: tuple[np.ndarray, int] | None) -> tuple[tuple[_Layout, int] | None, np.ndarray]:
     """Keep the longest prefix of whole rollouts that needs no placeholder."""
     codes = batch.rollout_codes[samples]
     uniq = np.unique(codes)
-    lens = batch.seq_lens[samples]
     for keep_r in range(uniq.size - 1, 0, -1):
         pos = np.flatnonzero(codes < uniq[keep_r])
-        got = _layout_step(lens[pos], c[pos], deg[pos], cfg, allow_short=False)
+        got = _layout_step(lens[pos], c[pos], deg[pos], cfg, allow_short=False,
+                           extra=None if extra is None else (extra[0][pos], extra[1]))
         if got is not None:
             return got, pos
     return None, np.arange(samples.size)

@@ -115,6 +115,16 @@ def _pack(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
     return out
 
 
+def _pack_or_refuse(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
+    """:func:`_pack`, refusing once K gives every atom a bin of its own and a rank still fails
+    (an atom over a cap no K can help: a guard, the fits are checked before)."""
+    got = _pack(ranks, K, cfg)
+    if got is None and K >= int(ranks.n.max(initial=0)):
+        raise PlanError(f"placement='local': a rank's packing fails even with one atom per micro-batch (K={K}); "
+                        "an atom exceeds max_tokens_per_micro or max_vision_tokens_per_micro: raise the cap.")
+    return got
+
+
 def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> np.ndarray:
     """``cost[r, b]`` of rank r's bin b on its GPU(s) (empty bins: placeholders, per_micro only)."""
     cost = cfg.cost
@@ -169,7 +179,7 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
             return np.max(per, axis=0)
         additive = is_additive(cost) and ranks.padded is None
         K, bins, choice = choose_k(K0, k_hi, a, additive=additive, sync=cfg.sync, probe="walk",
-                                   lower_bounds=lower_bounds, pack=lambda K: _pack(ranks, K, cfg),
+                                   lower_bounds=lower_bounds, pack=lambda K: _pack_or_refuse(ranks, K, cfg),
                                    time=lambda K, b: _time(ranks, b, K, cfg, bin_cost))
     if bins is None:  # a padded rank may need more rows than its lower bound: walk on
         while bins is None:

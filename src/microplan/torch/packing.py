@@ -243,6 +243,13 @@ class PackedMicro:
         first = torch.repeat_interleave(c[:-1], lens)
         if not torch.equal(pos, pos[first] + (torch.arange(T) - first)):
             raise PlanError("position_ids must count up by 1 within each segment.")
+        segs = self.seq_lens[:-1] if self.row_pad else self.seq_lens
+        mult, r = self.pad_to_multiple_of, self.pad_row_to_multiple_of
+        if any(n % mult for n in segs) or T % r or (self.row_pad and self.row_pad != self.seq_lens[-1]) \
+                or self.row_pad >= r:
+            raise PlanError(f"a tree row's segments {list(self.seq_lens)} must each be a multiple of "
+                            f"pad_to_multiple_of={mult}, and the row (T={T}) a multiple of pad_row_to_multiple_of={r} "
+                            f"with its fewest pads in one trailing segment (row_pad={self.row_pad}).")
         check_tree(self)
 
     def _validate_padding(self, loss_mask: torch.Tensor) -> None:
@@ -357,9 +364,10 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
     if not isinstance(micro, Micro):
         raise PlanError("pack_micro takes a microplan.Micro (plan.steps[s].micros[rank][m]), "
                         f"got {type(micro).__name__}.")
-    if micro.tree is not None and not micro.is_placeholder:
-        return _pack_tree(micro, token_ids, loss_masks, weight_dtype)
     fp = micro.footprint
+    if micro.tree is not None and not micro.is_placeholder:
+        mult, row = (1, 1) if fp is None else (fp.padding.sample_multiple, fp.padding.row_multiple)
+        return _pack_tree(micro, token_ids, loss_masks, weight_dtype, mult=mult, row=row, pad_token_id=pad_token_id)
     if fp is not None and fp.padded:
         from .padded import pack_padded_micro  # the [n, W] layouts
         return pack_padded_micro(micro, token_ids, loss_masks=loss_masks, pad_token_id=pad_token_id,
@@ -403,13 +411,15 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
     return packed
 
 
-def _pack_tree(micro: Micro, token_ids: Any, loss_masks: Any, weight_dtype: torch.dtype) -> PackedMicro:
-    """A prefix-shared micro-batch: every shared token once (``tree.py``)."""
+def _pack_tree(micro: Micro, token_ids: Any, loss_masks: Any, weight_dtype: torch.dtype, *, mult: int = 1,
+               row: int = 1, pad_token_id: int = 0) -> PackedMicro:
+    """A prefix-shared micro-batch: every shared token once, segments padded to ``mult`` (``tree.py``)."""
     tokens, masks = [], []
     for i, n, k in zip(micro.indices.tolist(), micro.seq_lens.tolist(), micro.loss_tokens.tolist()):
         tokens.append(_token_tensor(_entry(token_ids, i, "token_ids"), i, n))
         masks.append(_mask_tensor(loss_masks, i, n, k))
-    packed = PackedMicro(**tree_layout(micro, masks, tokens, weight_dtype), cp_size=int(micro.cp_size))
+    packed = PackedMicro(**tree_layout(micro, masks, tokens, weight_dtype, mult=mult, row=row,
+                                       pad_token_id=pad_token_id), cp_size=int(micro.cp_size))
     packed.validate()
     return packed
 

@@ -75,13 +75,22 @@ class TreeLayout:
 
 
 def tree_layout(micro: Micro, masks: list[torch.Tensor], tokens: list[torch.Tensor],
-                weight_dtype: torch.dtype) -> dict[str, Any]:
+                weight_dtype: torch.dtype, *, mult: int = 1, row: int = 1, pad_token_id: int = 0) -> dict[str, Any]:
     """The fields of a tree-packed :class:`~microplan.torch.PackedMicro` (see the module note).
 
     ``tokens``/``masks``: each member's token ids and loss mask, in ``micro.indices`` order.
+    ``mult`` / ``row``: the plan's ``pad_to_multiple_of`` / ``pad_row_to_multiple_of``: each
+    segment is padded at its end to a multiple of ``mult`` (pads continue its positions, attend
+    to its path and themselves, carry no loss, and are never a key of another segment), and the
+    row gets one trailing pad segment up to a multiple of ``row``.
     """
     tree: PrefixTree = micro.tree  # type: ignore[assignment]
-    seg_len = (tree.end - tree.start).astype(np.int64)
+    real_len = (tree.end - tree.start).astype(np.int64)
+    seg_len = -(-real_len // mult) * mult
+    body = int(seg_len.sum())
+    row_pad = -(-body // row) * row - body
+    if row_pad:
+        seg_len = np.concatenate([seg_len, [row_pad]])
     offsets = np.concatenate([[0], np.cumsum(seg_len)])
     U = int(offsets[-1])
     pos_of_member = {int(g): k for k, g in enumerate(tree.members.tolist())}
@@ -108,19 +117,27 @@ def tree_layout(micro: Micro, masks: list[torch.Tensor], tokens: list[torch.Tens
         mask[r] |= m
         rows.append(r)
         flat_w.append(w)
+    ids[ids < 0] = int(pad_token_id)  # segment and row padding
     prev = np.full(U, -1, dtype=np.int64)
     keys, cu_k = [], [0]
+    n_seg = real_len.size
     for k in range(seg_len.size):
         a, b = int(offsets[k]), int(offsets[k + 1])
         prev[a + 1:b] = np.arange(a, b - 1)
-        s = int(tree.start[k])
-        if s > 0:  # the branch's first token follows the last shared token of its parent path
-            q = int(tree.parent[k])
-            prev[a] = int(offsets[q]) + (s - 1 - int(tree.start[q]))
-        path = tree.path_rows(offsets, k, int(tree.end[k]) - 1)
+        if k == n_seg:  # the row's trailing pad segment: a sequence of its own
+            path = np.arange(a, b, dtype=np.int64)
+        else:
+            s = int(tree.start[k])
+            if s > 0:  # the branch's first token follows the last shared token of its parent path
+                q = int(tree.parent[k])
+                prev[a] = int(offsets[q]) + (s - 1 - int(tree.start[q]))
+            path = tree.path_rows(offsets, k, int(tree.end[k]) - 1)
+            if seg_len[k] > real_len[k]:  # this segment's own pads (after its real tokens)
+                path = np.concatenate([path, np.arange(a + int(real_len[k]), b, dtype=np.int64)])
         keys.append(path)
         cu_k.append(cu_k[-1] + path.size)
-    position = np.concatenate([np.arange(s, e) for s, e in zip(tree.start.tolist(), tree.end.tolist())])
+    starts = np.concatenate([tree.start, [0]]) if row_pad else tree.start
+    position = np.concatenate([np.arange(s, s + n) for s, n in zip(starts.tolist(), seg_len.tolist())])
     flat = torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
     layout = TreeLayout(
         prev_index=torch.from_numpy(prev), key_index=torch.from_numpy(np.concatenate(keys)),
@@ -132,7 +149,7 @@ def tree_layout(micro: Micro, masks: list[torch.Tensor], tokens: list[torch.Tens
                 loss_weights=weights.to(weight_dtype), loss_mask=mask,
                 sample_indices=torch.from_numpy(micro.indices.astype(np.int64)),
                 seq_lens=tuple(int(x) for x in seg_len), sample_lens=tuple(t.numel() for t in tokens),
-                tree=layout)
+                row_pad=row_pad, pad_to_multiple_of=mult, pad_row_to_multiple_of=row, tree=layout)
 
 
 def check_tree(packed: Any) -> None:
