@@ -22,6 +22,13 @@ from .weigh import loss_coefficients, loss_scales
 __all__ = ["build_step"]
 
 
+def _empty_parts() -> tuple[np.ndarray, ...]:
+    out = tuple(np.zeros(0, dtype=d) for d in (np.int64, np.int64, np.int64, np.float64))
+    for a in out:
+        a.setflags(write=False)
+    return out
+
+
 def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     """The Step of a layout: micro-batches on the grid, loss scales exact over the kept samples."""
     cfg, b = ctx.cfg, ctx.batch
@@ -38,7 +45,12 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     parts = binned_micros(kept, sbin, D * K, scale, b)
     cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
     if not atoms.trees:
-        micros = [[trusted(*parts[g], cp, 0, (r,), footprint=mfp) for g in lay.grid[r].tolist()] for r in range(D)]
+        micros = []
+        empty = _empty_parts()
+        for r in range(D):  # a rank's placeholders share one (immutable) Micro
+            ph = trusted(*empty, cp, 0, (r,), footprint=mfp)
+            micros.append([trusted(*parts[g], cp, 0, (r,), footprint=mfp) if parts[g][0].size else ph
+                           for g in lay.grid[r].tolist()])
         return Step(s, micros, kept, choice=lay.choice)
     micros = []
     for r in range(D):

@@ -29,4 +29,5 @@ def binned_micros(kept: np.ndarray, bin_of: np.ndarray, num_bins: int, scale: np
     for a in cols:
         a.setflags(write=False)
     i, n, t, w = cols
-    return [(i[lo:hi], n[lo:hi], t[lo:hi], w[lo:hi]) for lo, hi in zip(bounds[:-1], bounds[1:])]
+    empty = (i[:0], n[:0], t[:0], w[:0])  # one shared tuple for every placeholder bin
+    return [(i[lo:hi], n[lo:hi], t[lo:hi], w[lo:hi]) if hi > lo else empty for lo, hi in zip(bounds[:-1], bounds[1:])]
