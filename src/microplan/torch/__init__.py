@@ -41,6 +41,7 @@ from .attention import register_attention
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
                           local_view, plan_distributed, routes, verify_agreement)
 from .chunked import chunked_token_logprobs
+from .cp_attention import context_parallel
 from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
@@ -52,6 +53,8 @@ from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
 __all__ = [
     "PackedMicro", "PaddedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
+    # context parallel execution: a member's shard of a row, attention gathering K/V over the CP group
+    "context_parallel",
     # forward-only passes (old/reference log-probs): pack, run, restore in one call
     "run_forward", "forward_logprobs", "chunked_token_logprobs",
     # measured cost: profiling, timing in the loop (docs/cost.md)
