@@ -18,8 +18,11 @@ token however short it is, and each branch is split evenly.
 Σ (position+1) over its tokens): the planner can use it for the per-GPU balance of a CP group.
 Numpy only (the torch layer's ``PackedMicro.cp_shard`` uses this cut).
 
-Measured (``benchmarks/bench_tree_cp.py``): on a step-wise tree row (one long history, many
-short turns) the per-member attention cost max/mean is within 1.01 at c = 2 and 4.
+Measured (``benchmarks/bench_tree_cp.py``): on every tree micro-batch of the long step-wise
+family (histories 16k–64k, up to 14 segments, 3 seeds) the per-member attention cost max/mean
+is ≤ 1.0002 at c = 2 and 4, owned tokens within one. Trade-off: per-segment chunks cost a halo
+token per chunk boundary (``torch/cp_shard.py``); one cut of the whole row would need fewer but
+could not balance attention cost across branches of different depths.
 """
 
 from __future__ import annotations
