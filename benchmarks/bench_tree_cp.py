@@ -60,7 +60,8 @@ def plan_rows(seeds: range, cap: int) -> list[dict]:
     for seed in seeds:
         batch = generate("stepwise-multiturn", num_prompts=8, samples_per_prompt=4, max_len=65536,
                          prompt_len=(16384, 32768), seed=seed)
-        for name, cp, dp in (("fixed cp 4", mp.ContextParallel(size=4), 8), ("dynamic cp <= 4", mp.ContextParallel(max_size=4), 32)):
+        for name, cp, dp in (("fixed cp 4", mp.ContextParallel(size=4), 8),
+                             ("dynamic cp <= 4", mp.ContextParallel(max_size=4), 32)):
             cfg = dict(dp_size=dp, max_tokens_per_micro=cap, cost=dense_7b_cost(), context_parallel=cp)
             try:
                 shared = mp.plan(batch, mp.PlanConfig(share_prefixes=True, **cfg))
@@ -118,7 +119,8 @@ def cut_rows(seeds: range) -> list[dict]:
 
 # -- measured on gloo -----------------------------------------------------------------------------
 
-def trajectory(history: int, turns: int, obs: int, resp: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def trajectory(history: int, turns: int, obs: int, resp: int,
+               seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Append-only turns: sample t = history + t·(obs + resp) tokens; loss on the turn's response."""
     g = torch.Generator().manual_seed(seed)
     seq = torch.randint(0, VOCAB, (history,), generator=g)

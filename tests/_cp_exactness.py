@@ -157,7 +157,8 @@ def run_case(rank: int, model: torch.nn.Module, groups: Groups, kind: str, c: in
             for j, shard in enumerate(shards):
                 L = weighted_loss(ell, shard, per_sample=True)
                 g = torch.autograd.grad(L, params, retain_graph=j + 1 < len(shards), allow_unused=True)
-                acc[j] += torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1) for x, p in zip(g, params)])
+                acc[j] += torch.cat([(x if x is not None else torch.zeros_like(p)).reshape(-1)
+                                     for x, p in zip(g, params)])
                 Js[j] += L.detach()
         dist.all_reduce(acc)
         dist.all_reduce(Js)
@@ -183,4 +184,26 @@ def rank_worker(rank: int, world: int, state: dict[str, torch.Tensor], data: dic
     out = {}
     for kind, c, name, lk in cases():
         out[(kind, c, name, lk)] = run_case(rank, model, groups, kind, c, name, data[name], lk, refs)
+    out["extras"] = extras(rank, model, groups)
     return out
+
+
+def extras(rank: int, model: torch.nn.Module, groups: Groups) -> dict[str, Any]:
+    """A placeholder over the 4 processes (members 1-3 own nothing and run one halo token), and a
+    shard of a 4-wide group run under its 2-process group (refused)."""
+    plan = mp.plan(mp.Batch([3]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=8))
+    ph = next(m for row in plan.steps[0].micros for m in row if m.is_placeholder)
+    s = pack_micro(ph, {}).cp_shard(rank, cp_size=4)
+    model.zero_grad(set_to_none=True)
+    with context_parallel(groups[(0, 1, 2, 3)]):
+        logits = model(**s.model_inputs(), use_cache=False).logits
+    loss = weighted_loss(s.expand(token_logprobs(logits, s)), s, per_sample=True)
+    loss.backward()
+    grad = sum(float(p.grad.norm()) for p in model.parameters() if p.grad is not None)
+    try:
+        with context_parallel(groups[(0, 1) if rank < 2 else (2, 3)]):
+            model(**s.model_inputs(), use_cache=False)
+        wrong = "no error"
+    except mp.PlanError as exc:
+        wrong = str(exc)
+    return {"placeholder_loss": float(loss.detach()), "placeholder_grad_norm": grad, "wrong_group": wrong}

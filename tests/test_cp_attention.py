@@ -62,7 +62,8 @@ def _full_row(seed: int, tree: bool) -> tuple[mp.Micro, list[torch.Tensor], list
     for i in range(int(rng.integers(1, 7))):
         if tree and toks and rng.random() < 0.7:                 # continue or branch off an earlier sample
             base = toks[int(rng.integers(0, len(toks)))]
-            t = torch.cat([base[: int(rng.integers(1, len(base) + 1))], torch.as_tensor(rng.integers(0, 9, int(rng.integers(1, 6))))])
+            tail = torch.as_tensor(rng.integers(0, 9, int(rng.integers(1, 6))))
+            t = torch.cat([base[: int(rng.integers(1, len(base) + 1))], tail])
         else:
             t = torch.as_tensor(rng.integers(0, 9, int(rng.integers(1, 12))))
         toks.append(t.to(torch.int64))
@@ -72,8 +73,8 @@ def _full_row(seed: int, tree: bool) -> tuple[mp.Micro, list[torch.Tensor], list
     parent, shared = mp.find_shared_prefixes(toks) if tree else (None, None)
     batch = mp.Batch([len(t) for t in toks], loss_tokens=[int(m.sum()) for m in masks], prefix_parent=parent,
                      shared_prefix_lens=shared)
-    micro = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=10**4, share_prefixes=tree)).steps[0].micros[0][0]
-    return micro, toks, masks
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=10**4, share_prefixes=tree))
+    return plan.steps[0].micros[0][0], toks, masks
 
 
 def _visible_keys(p) -> list[list[int]]:
@@ -96,7 +97,7 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
     micro, toks, masks = _full_row(seed, tree)
     p = pack_micro(micro, toks, loss_masks=masks)
     visible = _visible_keys(p)
-    prev_full = X_prev(p)
+    prev_full = _prev_rows(p)
     owned_all, w_by, vals = [], {}, {}
     values = {i: torch.arange(len(t), dtype=torch.float64) * 10 + i for i, t in enumerate(toks)}
     for q in range(c):
@@ -115,19 +116,21 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
         for k in range(len(s.seq_lens)):
             keys = [slot_row[x] for x in s.tree.key_index[cuk[k]:cuk[k + 1]].tolist()]
             L = cu[k + 1] - cu[k]
-            for j in range(L):                                    # bottom-right causal: query j sees keys[: len - (L-1-j)]
+            for j in range(L):                                    # bottom-right causal alignment
                 assert keys[: len(keys) - (L - 1 - j)] == visible[rows[cu[k] + j]]
         for j in own:                                             # every owned token's predecessor is local
             pl = int(s.tree.prev_index[j])
             assert (rows[pl] if pl >= 0 else -1) == prev_full[rows[j]]
-        assert torch.equal(s.input_ids, p.input_ids[cp.rows]) and torch.equal(s.position_ids, p.position_ids[cp.rows])
-        assert float(s.loss_weights.sum()) == pytest.approx(float(p.loss_weights[[rows[j] for j in own]].sum()), abs=1e-12)
+        assert torch.equal(s.input_ids, p.input_ids[cp.rows])
+        assert torch.equal(s.position_ids, p.position_ids[cp.rows])
+        owned_w = float(p.loss_weights[[rows[j] for j in own]].sum())
+        assert float(s.loss_weights.sum()) == pytest.approx(owned_w, abs=1e-12)
         v = pack_values(s, values)
         assert v.numel() == s.tree.sample_weights.numel() == s.expand(s.input_ids).numel()
         start = 0
         for i, pos in zip(s.sample_indices.tolist(), cp.sample_positions):
             assert torch.equal(v[start:start + pos.numel()], values[i][pos])
-            assert torch.equal(s.expand(s.input_ids)[start:start + pos.numel()], toks[i][pos])  # per-sample layout
+            assert torch.equal(s.expand(s.input_ids)[start:start + pos.numel()], toks[i][pos])  # per-sample
             for t, w in zip(pos.tolist(), s.tree.sample_weights[start:start + pos.numel()].tolist()):
                 w_by[(i, t)] = w_by.get((i, t), 0.0) + w
             start += pos.numel()
@@ -139,7 +142,8 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
     assert w_by.keys() == full.keys() and all(w_by[k] == full[k] for k in full)
 
 
-def X_prev(p) -> list[int]:
+def _prev_rows(p) -> list[int]:
+    """The row whose logits predict each row of an unsharded row (-1: none)."""
     from microplan.torch.loss import predecessor_index
     return predecessor_index(p, "cpu").tolist()
 
@@ -200,3 +204,13 @@ def test_cp_gradients_and_objective_are_exact(gloo_results, case):
     if kind == "dynamic":                                         # slots mixing CP widths ran
         assert len(widths) > 1, widths
     assert sum(out[case]["ran"]["halo_tokens"] for out in gloo_results) > 0  # predecessors crossed members
+
+
+def test_members_owning_nothing_run_and_a_wrong_group_is_refused(gloo_results):
+    """A placeholder over 4 members (3 own no token): every member runs forward and backward, the
+    loss is an exact 0 connected to the graph, no collective hangs. A shard of a 4-wide group run
+    under a 2-process group is a PlanError on every member, before any collective."""
+    for out in gloo_results:
+        extra = out["extras"]
+        assert extra["placeholder_loss"] == 0.0 and extra["placeholder_grad_norm"] == 0.0
+        assert "is member" in extra["wrong_group"] and "CP group of 4" in extra["wrong_group"]

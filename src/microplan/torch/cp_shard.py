@@ -161,7 +161,8 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
     from .packing import PackedMicro
     shard = PackedMicro(
         input_ids=take(p.input_ids), position_ids=take(p.position_ids),
-        cu_seqlens=torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)), max_seqlen=int((ends - starts).max()),
+        cu_seqlens=torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)),
+        max_seqlen=int((ends - starts).max()),
         loss_weights=take(p.loss_weights) * own_t.to(p.loss_weights.device, wdt),
         loss_mask=take(p.loss_mask) & own_t.to(p.loss_mask.device), sample_indices=p.sample_indices,
         seq_lens=tuple(int(x) for x in ends - starts), is_placeholder=p.is_placeholder, cp_size=c,

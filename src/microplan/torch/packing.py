@@ -143,7 +143,8 @@ class PackedMicro:
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
                        cu_seqlens=mv(self.cu_seqlens), loss_weights=mv(self.loss_weights),
-                       loss_mask=mv(self.loss_mask), tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking),
+                       loss_mask=mv(self.loss_mask),
+                       tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking),
                        cp=None if self.cp is None else self.cp.to(device, non_blocking=non_blocking))
 
     def cp_shard(self, cp_rank: int, *, cp_size: int | None = None) -> PackedMicro:
