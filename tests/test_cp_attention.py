@@ -56,7 +56,7 @@ def test_cut_refuses_bad_input():
 # ---------------------------------------------------------------- shards (host side)
 
 
-def _full_row(seed: int, tree: bool) -> tuple[mp.Micro, list[torch.Tensor], list[torch.Tensor]]:
+def _full_row(seed: int, tree: bool, pad: int = 1) -> tuple[mp.Micro, list[torch.Tensor], list[torch.Tensor]]:
     rng = np.random.default_rng(seed)
     toks, masks = [], []
     for i in range(int(rng.integers(1, 7))):
@@ -73,7 +73,8 @@ def _full_row(seed: int, tree: bool) -> tuple[mp.Micro, list[torch.Tensor], list
     parent, shared = mp.find_shared_prefixes(toks) if tree else (None, None)
     batch = mp.Batch([len(t) for t in toks], loss_tokens=[int(m.sum()) for m in masks], prefix_parent=parent,
                      shared_prefix_lens=shared)
-    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=10**4, share_prefixes=tree))
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=10**4, share_prefixes=tree,
+                                        pad_to_multiple_of=pad))
     return plan.steps[0].micros[0][0], toks, masks
 
 
@@ -92,13 +93,15 @@ def _visible_keys(p) -> list[list[int]]:
     return out
 
 
-@given(st.integers(0, 10**6), st.booleans(), st.integers(2, 4))
-def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
-    micro, toks, masks = _full_row(seed, tree)
+@given(st.integers(0, 10**6), st.booleans(), st.integers(2, 4), st.booleans())
+def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c, padded):
+    micro, toks, masks = _full_row(seed, tree, pad=2 * c if padded and not tree else 1)
     p = pack_micro(micro, toks, loss_masks=masks)
+    if padded and not tree:  # sequences padded to 2c: every member owns the standard zigzag, no leftovers
+        assert all(n % (2 * c) == 0 for n in p.seq_lens)
     visible = _visible_keys(p)
     prev_full = _prev_rows(p)
-    owned_all, w_by, vals = [], {}, {}
+    owned_all, owned_by, w_by = [], [], {}
     values = {i: torch.arange(len(t), dtype=torch.float64) * 10 + i for i, t in enumerate(toks)}
     for q in range(c):
         s = p.cp_shard(q, cp_size=c)
@@ -107,6 +110,7 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
         rows = cp.rows.tolist()
         own = set(cp.own_index.tolist())
         owned_all += [rows[j] for j in own]
+        owned_by.append(own)
         slot_row = {}                                             # gathered slot -> full row
         owner = zigzag_owner(np.asarray(p.seq_lens), c)
         for m in range(c):
@@ -135,6 +139,8 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c):
                 w_by[(i, t)] = w_by.get((i, t), 0.0) + w
             start += pos.numel()
     assert sorted(owned_all) == list(range(p.num_tokens))        # each token owned exactly once
+    if padded and not tree:
+        assert len({len(o) for o in owned_by}) == 1                # equal shares
     full = {}                                                     # the shards' per-sample weights add up to the row's
     for i, n in zip(p.sample_indices.tolist(), p.real_lens):
         w = masks[i].to(torch.float64) * float(micro.loss_scale[micro.indices.tolist().index(i)])

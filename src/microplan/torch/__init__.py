@@ -24,6 +24,10 @@ back), ``verify_agreement`` and ``collective_guard`` (a failure on one rank is a
 rank, never a hang). See docs/loss.md for the loss modes and docs/integration.md for the
 SPMD and single-controller recipes.
 
+Context parallel (docs/context_parallel.md): ``PackedMicro.cp_shard(cp_rank)`` keeps one CP
+member's share of a flat or tree row; under ``with context_parallel(group):`` the attention of
+``register_attention`` all-gathers the group's keys and values (backward reduce-scatters them).
+
 Measured cost (docs/cost.md): ``register_attention`` (per-sample varlen attention for
 transformers models), ``profile_cost`` (time designed micro-batches, fit the cost model),
 ``MicroTimer`` / ``lockstep_records`` (time the loop's micro-batches for a ``CostMeter``).

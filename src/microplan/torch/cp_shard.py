@@ -58,6 +58,9 @@ class CPLayout:
         num_rows: U, the full row's length.
         sample_positions: per sample, ``[k_i]`` int64 positions (in the sample) of its owned tokens.
         full_lens: per sample, its full length (what ``pack_values`` checks values against).
+
+    ``to(device)`` moves ``own_index`` (the attention reads it); ``rows`` and
+    ``sample_positions`` are host bookkeeping and stay on the host.
     """
 
     cp_rank: int
