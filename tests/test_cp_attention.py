@@ -154,6 +154,20 @@ def _prev_rows(p) -> list[int]:
     return predecessor_index(p, "cpu").tolist()
 
 
+def test_a_shard_whose_layouts_have_equal_lengths_takes_per_sample_losses():
+    """Seed 4, c = 3, member 1: the shard holds as many row tokens as per-sample entries, in a
+    different order. Its losses are written in the per-sample layout (expand / pack_values), so
+    weighted_loss reads them so without per_sample=True (before: a PlanError asking for it)."""
+    from microplan.torch import weighted_loss
+    micro, toks, masks = _full_row(4, True)
+    s = pack_micro(micro, toks, loss_masks=masks).cp_shard(1, cp_size=3)
+    S = s.tree.sample_weights.numel()
+    assert S == s.num_tokens and not s.tree.in_row_order
+    ell = torch.arange(S, dtype=torch.float64) + 1.0
+    assert float(weighted_loss(ell, s)) == float(weighted_loss(ell, s, per_sample=True))
+    assert float(weighted_loss(ell, s)) != float(weighted_loss(ell, s, per_sample=False))
+
+
 def test_placeholder_and_tiny_rows_give_every_member_a_query():
     plan = mp.plan(mp.Batch([3]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=8))
     ph = next(m for row in plan.steps[0].micros for m in row if m.is_placeholder)
