@@ -24,6 +24,10 @@ back), ``verify_agreement`` and ``collective_guard`` (a failure on one rank is a
 rank, never a hang). See docs/loss.md for the loss modes and docs/integration.md for the
 SPMD and single-controller recipes.
 
+Context parallel (docs/context_parallel.md): ``PackedMicro.cp_shard(cp_rank)`` keeps one CP
+member's share of a flat or tree row; under ``with context_parallel(group):`` the attention of
+``register_attention`` all-gathers the group's keys and values (backward reduce-scatters them).
+
 Measured cost (docs/cost.md): ``register_attention`` (per-sample varlen attention for
 transformers models), ``profile_cost`` (time designed micro-batches, fit the cost model),
 ``MicroTimer`` / ``lockstep_records`` (time the loop's micro-batches for a ``CostMeter``).
@@ -41,6 +45,7 @@ from .attention import register_attention
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
                           local_view, plan_distributed, routes, verify_agreement)
 from .chunked import chunked_token_logprobs
+from .cp_attention import context_parallel
 from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
@@ -52,6 +57,8 @@ from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
 __all__ = [
     "PackedMicro", "PaddedMicro", "pack_micro", "pack_values", "token_logprobs", "next_token_labels",
     "next_token_weights", "weighted_loss", "Restored", "restore_order", "register_attention",
+    # context parallel execution: a member's shard of a row, attention gathering K/V over the CP group
+    "context_parallel",
     # forward-only passes (old/reference log-probs): pack, run, restore in one call
     "run_forward", "forward_logprobs", "chunked_token_logprobs",
     # measured cost: profiling, timing in the loop (docs/cost.md)

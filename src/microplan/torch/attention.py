@@ -238,6 +238,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     if key_index is not None:  # a prefix-shared row (torch/tree.py): each segment's keys are its path
         if query.shape[0] != 1:
             raise PlanError(f"a prefix-shared micro-batch is ONE packed row, but the batch has {query.shape[0]} rows.")
+        if kwargs.get("microplan_cp") is not None:  # a CP shard: its keys are the group's gathered slots
+            from .cp_attention import gather_keys_values
+            key, value = gather_keys_values(key, value, kwargs["microplan_cp"])
         idx = key_index.to(key.device)
         key, value = key.index_select(2, idx), value.index_select(2, idx)
         if query.is_cuda and _flash_varlen() is not None:

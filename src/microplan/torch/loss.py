@@ -144,7 +144,7 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
     in the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand` / :func:`pack_values` (exact
     for every per-sample loss, e.g. PPO with per-sample advantages); ``per_sample`` says which
     (None: from the length — a row without any shared token has both of the same length, and
-    then the two layouts must coincide, else pass it).
+    then the two layouts must coincide, else pass it; a CP shard's ``[S]`` losses are taken per sample).
     """
     if aligned not in ("token", "logit"):
         raise PlanError(f"aligned={aligned!r} must be 'token' (loss of token t at t) or 'logit' (at t-1).")
@@ -154,11 +154,12 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
             _no_tree(packed, "weighted_loss(aligned='logit')")
         y = token_losses[0] if token_losses.dim() == 2 and token_losses.shape[0] == 1 else token_losses
         S, U = tree.sample_weights.numel(), packed.num_tokens
-        if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and not tree.in_row_order:
+        shard = getattr(packed, "cp", None) is not None  # a CP shard's losses are per sample (its expand layout)
+        if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and not tree.in_row_order and not shard:
             raise PlanError("token_losses has as many entries as the row and as the per-sample layout, which order "
                             "tokens differently here: pass per_sample=True (losses in the layout of pack_values / "
                             "PackedMicro.expand) or per_sample=False (one loss per row token).")
-        if per_sample or (per_sample is None and y.dim() == 1 and y.shape[0] == S and S != U):
+        if per_sample or (per_sample is None and y.dim() == 1 and y.shape[0] == S and (S != U or shard)):
             if y.dim() != 1 or y.shape[0] != S:
                 raise PlanError(f"per-sample token_losses must be [Σ L] = [{S}], got shape {tuple(y.shape)}.")
             if not (y.dtype.is_floating_point or y.dtype.is_complex):

@@ -44,6 +44,7 @@ import torch
 from ..errors import PlanError
 from ..footprint import round_up
 from ..types import Micro
+from .cp_shard import CPLayout, check_shard, cp_shard
 from .tree import TreeLayout, check_tree, tree_layout
 
 __all__ = ["PackedMicro", "pack_micro", "pack_values"]
@@ -78,6 +79,11 @@ class PackedMicro:
             ``seq_lens``/``cu_seqlens`` are its *segments* (not samples), ``position_ids`` are
             each token's position in its own samples, and attention must come from
             :func:`microplan.torch.register_attention` (``model_inputs`` passes the path table).
+        cp: for one member's share of a row (:meth:`cp_shard`), the
+            :class:`~microplan.torch.cp_shard.CPLayout`: its tokens are that member's (owned and
+            halo rows), ``tree`` holds its attention table over the CP group's gathered keys and
+            its per-sample layout (the owned tokens of each sample); run the model inside
+            :func:`microplan.torch.context_parallel`.
     """
 
     input_ids: torch.Tensor
@@ -95,6 +101,7 @@ class PackedMicro:
     pad_to_multiple_of: int = 1
     pad_row_to_multiple_of: int = 1
     tree: TreeLayout | None = None
+    cp: CPLayout | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -136,7 +143,21 @@ class PackedMicro:
         mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
         return replace(self, input_ids=mv(self.input_ids), position_ids=mv(self.position_ids),
                        cu_seqlens=mv(self.cu_seqlens), loss_weights=mv(self.loss_weights),
-                       loss_mask=mv(self.loss_mask), tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking))
+                       loss_mask=mv(self.loss_mask),
+                       tree=None if self.tree is None else self.tree.to(device, non_blocking=non_blocking),
+                       cp=None if self.cp is None else self.cp.to(device, non_blocking=non_blocking))
+
+    def cp_shard(self, cp_rank: int, *, cp_size: int | None = None) -> PackedMicro:
+        """This CP member's share of the row (binding API): its zigzag share of every segment's
+        tokens (flat or tree row), plus the predecessors it needs from its peers, with
+        ``model_inputs()``, loss weights (the owned tokens'), the per-sample layout of its owned
+        tokens for :meth:`expand` / :func:`pack_values` / ``weighted_loss``, and true positions.
+        Run the model on it inside ``with microplan.torch.context_parallel(group):``, ``group``
+        the CP group (this member at position ``cp_rank``). ``cp_size`` defaults to the plan's
+        ``Micro.cp_size``; 1 returns the row itself. Every member gets the same split (a pure
+        function of the row): see ``torch/cp_shard.py`` and docs/context_parallel.md.
+        """
+        return cp_shard(self, cp_rank, cp_size)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         """``{"input_ids": [1, T], "position_ids": [1, T]}`` for a Hugging Face causal LM.
@@ -147,13 +168,17 @@ class PackedMicro:
         A prefix-shared micro-batch (``tree``) also passes its attention table —
         ``cu_seq_lens_q`` (its segments), ``cu_seq_lens_k`` / ``max_length_k`` (each segment's
         path) and ``microplan_key_index`` (the path rows) — which only the attention of
-        :func:`microplan.torch.register_attention` reads: build the model with it.
+        :func:`microplan.torch.register_attention` reads: build the model with it. A CP shard
+        (:meth:`cp_shard`) adds ``microplan_cp``, its gather layout, and must run inside
+        :func:`microplan.torch.context_parallel`.
         """
         out = {"input_ids": self.input_ids[None], "position_ids": self.position_ids[None]}
         if self.tree is not None:
             out.update(cu_seq_lens_q=self.cu_seqlens, cu_seq_lens_k=self.tree.cu_seqlens_k,
                        max_length_q=self.max_seqlen, max_length_k=self.tree.max_seqlen_k,
                        microplan_key_index=self.tree.key_index)
+        if self.cp is not None:  # a CP shard: the attention gathers the group's keys (context_parallel)
+            out["microplan_cp"] = self.cp
         return out
 
     def expand(self, x: torch.Tensor) -> torch.Tensor:
@@ -199,6 +224,8 @@ class PackedMicro:
         cu = self.cu_seqlens
         if self.tree is not None:
             self._validate_tree()
+            if self.cp is not None:
+                check_shard(self)
             return
         if cu.dim() != 1 or cu.dtype != torch.int32:
             raise PlanError(f"cu_seqlens must be a 1-D int32 tensor, got shape {tuple(cu.shape)} dtype {cu.dtype}.")
@@ -444,13 +471,20 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
     (token aligned like ``input_ids``) or a scalar broadcast over its tokens. Padding (and a
     placeholder's dummy tokens) get ``fill``. The result is on the host; move it with
     ``.to(device)``. A :class:`~microplan.torch.padded.PaddedMicro` gives ``[n, W]``; a
-    prefix-shared micro-batch the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand`.
+    prefix-shared micro-batch the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand`; a CP
+    shard (:meth:`PackedMicro.cp_shard`) its per-sample layout: each sample's owned tokens.
     """
     if not isinstance(packed, PackedMicro):
         from .padded import PaddedMicro, pack_padded_values
         if isinstance(packed, PaddedMicro):
             return pack_padded_values(packed, values, fill=fill, dtype=dtype)
         raise PlanError(f"pack_values takes a PackedMicro or PaddedMicro, got {type(packed).__name__}.")
+    if packed.cp is not None:  # a CP shard: the owned tokens of each sample (its per-sample layout)
+        cp = packed.cp
+        parts = [_value_tensor(values, i, n)[pos] for i, n, pos in
+                 zip(packed.sample_indices.tolist(), cp.full_lens, cp.sample_positions)]
+        out = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        return out.to(dtype) if dtype is not None else out
     if packed.is_placeholder:
         return torch.full((packed.num_tokens,), fill, dtype=dtype or torch.float64)
     if packed.tree is not None:  # the per-sample layout [Σ L] (see PackedMicro.expand)

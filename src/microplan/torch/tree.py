@@ -161,7 +161,13 @@ def check_tree(packed: Any) -> None:
     if tuple(prev.shape) != (U,) or bool(((prev < -1) | (prev >= U)).any()):
         raise PlanError(f"prev_index must hold U={U} rows in -1..U-1.")
     has = prev >= 0
-    if not torch.equal(has, pos > 0):
+    cp = getattr(packed, "cp", None)
+    if cp is not None:  # a CP shard: halo rows (weight 0) carry no prediction here, owned rows do
+        own = torch.zeros(U, dtype=torch.bool)
+        own[cp.own_index.cpu()] = True
+        if not torch.equal(has, (pos > 0) & own):
+            raise PlanError("a CP shard's prev_index must be -1 exactly at position 0 and on halo rows.")
+    elif not torch.equal(has, pos > 0):
         raise PlanError("prev_index must be -1 exactly at position 0 (a token with no predecessor).")
     if bool((pos[prev[has]] != pos[has] - 1).any()):
         raise PlanError("each token's predecessor must sit one position before it on its path.")
