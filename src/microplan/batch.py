@@ -51,7 +51,16 @@ _MAX_LEN = 2 ** 40  # keeps every sum of lengths far inside int64
 def _ints(name: str, values: Any, *, minimum: int) -> np.ndarray:
     """``int_array`` with a fix appended to its message; floats and strings refused by index."""
     try:
-        _refuse_non_ints(name, values)
+        if not isinstance(values, np.ndarray):
+            try:
+                arr = np.asarray(values)  # once: a list of 16k ints costs ~0.5 ms to convert
+            except Exception:  # ragged: int_array says so
+                arr = None
+            if arr is not None:
+                _refuse_non_ints(name, arr, values)
+                values = arr
+        else:
+            _refuse_non_ints(name, values, values)
         if isinstance(values, np.ndarray) and np.issubdtype(values.dtype, np.unsignedinteger) and values.size \
                 and int(values.max()) > _MAX_LEN:
             i = int(np.argmax(values))
@@ -65,17 +74,13 @@ def _ints(name: str, values: Any, *, minimum: int) -> np.ndarray:
         raise PlanError(f"{exc} Fix: {_FIX[name]}") from None
 
 
-def _refuse_non_ints(name: str, values: Any) -> None:
+def _refuse_non_ints(name: str, arr: np.ndarray, values: Any) -> None:
     """Refuse floats (even whole ones: 200.0) and strings ("200") naming the first such entry.
 
     DESIGN says lengths are ints: a float or a string usually means a column was read with the
     wrong type, which is better fixed where it was read than guessed at here. NaN, inf and
     fractions keep ``int_array``'s own messages (checked first, so they name their index).
     """
-    try:
-        arr = values if isinstance(values, np.ndarray) else np.asarray(values)
-    except Exception:  # ragged: int_array says so
-        return
     if arr.ndim != 1 or arr.size == 0 or np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
         return
     if np.issubdtype(arr.dtype, np.floating):
@@ -122,9 +127,12 @@ def _factorize(name: str, ids: Any, n: int) -> _Codes:
             values = list(map(str, values)) if kind == "str" else np.asarray(values, dtype=np.int64).tolist()
     if len(values) != n:
         raise PlanError(f"{name} has {len(values)} entries but seq_lens has {n}; pass one id per sample.")
-    if kind == "str":
-        lookup = {v: c for c, v in enumerate(dict.fromkeys(values))}  # first-appearance order, C-level
-        codes = np.fromiter(map(lookup.__getitem__, values), dtype=np.int64, count=n)
+    if kind == "str":  # C-level passes: each id's first sample (later writes win, so feed them reversed)
+        first_of = dict(zip(reversed(values), range(n - 1, -1, -1)))
+        first = np.fromiter(map(first_of.__getitem__, values), dtype=np.int64, count=n)
+        is_first = np.zeros(n, dtype=bool)
+        is_first[first] = True
+        codes = (np.cumsum(is_first) - 1)[first]
     else:
         if arr is None:
             try:
