@@ -300,12 +300,14 @@ def test_string_lengths_refused(lens, where):
     refused(lambda: mp.Batch(lens), where, "str")
 
 
-def test_ids_mixing_ints_and_strings_refused():
-    """1 and "1" were two prompts; one id array now holds ints or strings, and says so."""
-    msg = refused(lambda: mp.Batch([5, 6, 7], prompt_ids=[1, "1", 1]), "prompt_ids", "mixes ints and strings",
-                  "prompt_ids[0]=1", "prompt_ids[1]='1'")
-    assert "str(x)" in msg
-    refused(lambda: mp.Batch([5, 6], rollout_ids=np.array([1, "a"], dtype=object)), "rollout_ids", "mixes")
+def test_ids_mixing_ints_and_strings_are_one_group():
+    """issue 21: 1 and "1" in one id array were two prompts; a mixed array is normalised to strings."""
+    b = mp.Batch([5, 6, 7, 8], prompt_ids=[1, "1", np.int64(1), "x"])
+    assert b.num_prompts == 2 and b.prompt_codes.tolist() == [0, 0, 0, 1]
+    assert b.prompt_ids == ["1", "1", "1", "x"] and mp.Batch.from_dict(b.to_dict()) == b
+    b = mp.Batch([5, 6], rollout_ids=np.array([1, "1"], dtype=object))
+    assert b.num_rollouts == 1 and b.rollout_ids == ["1", "1"]
+    assert mp.Batch([5, 6], prompt_ids=[1, 1]).prompt_ids == [1, 1]  # pure ints stay ints
 
 
 def test_ids_normalised_to_plain_python_values():

@@ -62,3 +62,11 @@ def test_numpy_int_dtypes(dtype):
     b = mp.Batch([3] * 5, prompt_ids=ids)
     assert b.prompt_codes.tolist() == [0, 0, 1, 2, 1] and b.prompt_ids == [5, 5, 2, 7, 2]
     assert all(type(v) is int for v in b.prompt_ids)
+
+
+@given(st.lists(st.integers(-5, 5) | st.sampled_from(["1", "-2", "a", "5"]), min_size=1, max_size=40))
+def test_mixed_ids_code_as_their_strings(ids):
+    b = mp.Batch([3] * len(ids), prompt_ids=ids)
+    kinds = {type(v) for v in ids}
+    want = [str(v) for v in ids] if kinds == {int, str} else ids
+    assert b.prompt_ids == want and b.prompt_codes.tolist() == reference_codes(want)
