@@ -10,7 +10,15 @@ rank's micro-batches in turn (the whole plan, as microplan computes it); ``verl-
 is what one verl worker waits for upstream, where workers micro-batch in parallel: the driver's
 DP split plus the slowest rank's own KK.
 
-Run: ``python -m benchmarks.bench_speed [--repeats N]``; writes
+The user's whole path (issue 20) is timed too, from the arrays a trainer holds: ``Batch(...)``
+with prompt lengths, prompt and rollout ids (``batch``: int ids; ``batch-str``: verl-style string
+uids), then ``plan``, then reading every ``Micro.indices`` (``path``); ratios peer / path are
+reported beside peer / plan. Targets: Batch <= 3 ms, path <= 20 ms and >= 40x slime and verl.
+
+Local placement at scale (issue 17): every sample on rank 0 of dp=1,024 (the other ranks run
+placeholders), timed once each: ``plan`` and ``Plan.validate()`` (target: both together <= 3 s).
+
+Run: ``python -m benchmarks.bench_speed [--repeats N] [--no-local]``; writes
 ``benchmarks/results/speed-<date>-<host>.json``.
 """
 
@@ -38,6 +46,8 @@ from benchmarks.peers import plan_slime, plan_verl, verl  # noqa: E402
 CASES = ((16384, 128), (4096, 32))   # (samples, dp)
 MAX_LEN, CAP, GROUP = 16384, 32768, 8
 TARGETS = {"slime": 25.0, "verl": 50.0}  # required speed-up of microplan at 16k samples, dp=128
+PATH_TARGETS = {"batch_ms": 3.0, "path_ms": 20.0, "slime": 40.0, "verl": 40.0}  # issue 20 item 6, 16k/dp=128
+LOCAL = dict(samples=4096, dp=1024, target_s=3.0)  # issue 17: one loaded rank of 1,024
 
 
 def _wall(fn) -> float:
@@ -55,12 +65,24 @@ def _verl_critical_path(lens: np.ndarray, dp: int) -> float:
     return driver + max(_wall(lambda: verl.rearrange_micro_batches(p, work, k, len(lens))) for p in parts)
 
 
+def _user_path(lens: np.ndarray, plens: np.ndarray, pids, rids, cfg: mp.PlanConfig) -> int:
+    """What a trainer runs: Batch from its arrays, plan, every micro-batch's index list read."""
+    plan = mp.plan(mp.Batch(lens, prompt_lens=plens, prompt_ids=pids, rollout_ids=rids), cfg)
+    return sum(m.indices.size for step in plan.steps for row in step.micros for m in row)
+
+
 def _timers(batch: mp.Batch, dp: int, cost) -> dict:
     """name -> callable returning its own wall time in ms."""
     cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=CAP, cost=cost, sync="micro")
     lens = np.asarray(batch.seq_lens)
+    plens, pids, rids = np.asarray(batch.prompt_lens), np.asarray(batch.prompt_codes), np.asarray(batch.rollout_codes)
+    uids = [f"{int(p) * 2654435761 % 2 ** 32:08x}-uid" for p in pids]  # verl-style string uids, one per prompt
+    rid_str = [f"{u}/{int(r)}" for u, r in zip(uids, rids)]
     return {
         "microplan": lambda: _wall(lambda: mp.plan(batch, cfg)),
+        "batch": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=pids, rollout_ids=rids)),
+        "batch-str": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=uids, rollout_ids=rid_str)),
+        "path": lambda: _wall(lambda: _user_path(lens, plens, pids, rids, cfg)),
         "slime": lambda: _wall(lambda: plan_slime(lens, dp=dp, cap=CAP, cost=cost)),
         "verl": lambda: _wall(lambda: plan_verl(lens, dp=dp, cap=CAP, cost=cost)),
         "verl-critical-path": lambda: _verl_critical_path(lens, dp),
@@ -79,30 +101,67 @@ def time_case(samples: int, dp: int, repeats: int, cost) -> dict:
         for name, fn in fns.items():
             times[name].append(fn())
     med = {k: float(np.median(v)) for k, v in times.items()}
+    peers = ("slime", "verl", "verl-critical-path")
     return dict(samples=samples, dp=dp, cap=CAP, tokens=int(np.sum(batch.seq_lens)), repeats=repeats,
                 median_ms=med, all_ms=times,
-                ratio={k: med[k] / med["microplan"] for k in med if k != "microplan"})
+                ratio={k: med[k] / med["microplan"] for k in peers},
+                ratio_path={k: med[k] / med["path"] for k in peers})
+
+
+def time_local(samples: int, dp: int, cost) -> dict:
+    """Local placement with every sample on rank 0 of ``dp``: plan and validate wall times (s)."""
+    batch = generate("grpo-longtail", num_prompts=samples // GROUP, samples_per_prompt=GROUP,
+                     max_len=MAX_LEN, seed=0).with_rank_of(np.zeros(samples, dtype=np.int64))
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=CAP, cost=cost, placement="local")
+    t = time.perf_counter()
+    plan = mp.plan(batch, cfg)
+    t_plan = time.perf_counter() - t
+    t = time.perf_counter()
+    plan.validate()
+    t_val = time.perf_counter() - t
+    return dict(samples=samples, dp=dp, cap=CAP, K=plan.steps[0].micro_count,
+                micro_batches=dp * plan.steps[0].micro_count, plan_s=t_plan, validate_s=t_val,
+                target_s=LOCAL["target_s"])
 
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--no-local", action="store_true", help="skip the local-placement dp=1,024 case (~5-20 s)")
     args = ap.parse_args(argv)
     cost = dense_7b_cost()
     cases = []
     for samples, dp in CASES:
         c = time_case(samples, dp, args.repeats, cost)
         cases.append(c)
-        m = c["median_ms"]
+        m, rp = c["median_ms"], c["ratio_path"]
         print(f"{samples:>6} samples dp={dp:<4} microplan {m['microplan']:8.1f} ms   slime {m['slime']:8.1f} ms "
               f"({c['ratio']['slime']:5.1f}x)   verl {m['verl']:8.1f} ms ({c['ratio']['verl']:5.1f}x)   "
               f"verl critical path {m['verl-critical-path']:7.1f} ms ({c['ratio']['verl-critical-path']:5.1f}x)")
+        print(f"{'':>6}   user path: Batch {m['batch']:5.2f} ms (string uids {m['batch-str']:5.2f} ms)   "
+              f"Batch+plan+indices {m['path']:6.1f} ms   slime {rp['slime']:5.1f}x   verl {rp['verl']:5.1f}x   "
+              f"verl critical path {rp['verl-critical-path']:5.1f}x")
     big = cases[0]["ratio"]
     print("targets at 16k/dp=128: " + ", ".join(
         f"{k} >= {v:.0f}x: {'met' if big[k] >= v else 'MISSED'} ({big[k]:.1f}x)" for k, v in TARGETS.items()))
+    m, rp = cases[0]["median_ms"], cases[0]["ratio_path"]
+    path_ok = {"batch_ms": m["batch"] <= PATH_TARGETS["batch_ms"], "path_ms": m["path"] <= PATH_TARGETS["path_ms"],
+               "slime": rp["slime"] >= PATH_TARGETS["slime"], "verl": rp["verl"] >= PATH_TARGETS["verl"]}
+    print("user-path targets at 16k/dp=128: " + ", ".join(
+        f"{k} {'<=' if k.endswith('ms') else '>='} {v:g}: {'met' if path_ok[k] else 'MISSED'}"
+        for k, v in PATH_TARGETS.items()))
+    local = None
+    if not args.no_local:
+        local = time_local(LOCAL["samples"], LOCAL["dp"], cost)
+        tot = local["plan_s"] + local["validate_s"]
+        print(f"local placement, {local['samples']} samples all on rank 0 of dp={local['dp']} (K={local['K']}, "
+              f"{local['micro_batches']:,} micro-batches): plan {local['plan_s']:.2f} s, validate "
+              f"{local['validate_s']:.2f} s, together {tot:.2f} s (target <= {LOCAL['target_s']:g} s: "
+              f"{'met' if tot <= LOCAL['target_s'] else 'MISSED'})")
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), cost=cost.to_dict(),
-                  family="grpo-longtail", max_len=MAX_LEN, targets=TARGETS, cases=cases)
+                  family="grpo-longtail", max_len=MAX_LEN, targets=TARGETS, cases=cases,
+                  path_targets=PATH_TARGETS, local=local)
     if not args.no_write:
         print(f"wrote {save_json('speed', result).with_suffix('.json')}")
     return result

@@ -1,8 +1,8 @@
 """DESIGN.md "Bad input": every case is a PlanError whose message names the value and a fix.
 
 Each assertion checks the exception type (PlanError, a ValueError) AND that the message
-names the offending field/value AND proposes something to do about it. An empty batch gives
-an empty plan, never a crash.
+names the offending field/value AND proposes something to do about it. Planning an empty batch
+is refused (DESIGN: never an empty plan); the empty Batch itself is valid (a rank's local shard).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def test_bad_loss_fields(kw):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("field", ["seq_lens", "loss_tokens", "prompt_lens"])
 def test_nan_inf_in_lengths(field, bad):
-    lens = [5.0, 6.0, 7.0]
+    lens = [5, 6, 7]
     if field == "seq_lens":
         refused(lambda: mp.Batch([5.0, bad, 7.0]), "seq_lens[1]")
     else:
@@ -261,21 +261,13 @@ def test_nan_inf_in_config_ints(field):
                                    mp.Steps(rollouts_per_step=1)])
 @pytest.mark.parametrize("short_step", ["pad", "drop", "error"])
 @pytest.mark.parametrize("size", [{"max_tokens_per_micro": 64}, {"micro_batch_size": 2}])
-def test_empty_batch_gives_an_empty_plan(steps, short_step, size):
+def test_empty_batch_is_refused(steps, short_step, size):
+    """issue 21: ``Batch([])`` planned to zero steps; DESIGN: an empty batch is a clear error.
+    The Batch itself stays valid (a rank's local shard may be empty before gathering)."""
     batch = mp.Batch([], prompt_ids=[], rollout_ids=[])
     assert batch.num_samples == 0 and batch.total_tokens == 0
-    try:
-        plan = mp.plan(batch, mp.PlanConfig(dp_size=4, steps=steps, short_step=short_step, **size))
-    except mp.PlanError as exc:  # a clear refusal is allowed too
-        assert FIX.search(str(exc)), str(exc)
-        return
-    plan.validate()
-    assert plan.steps == [] and plan.dropped.size == 0
-    assert plan.rank(3) == []
-    back = mp.Plan.from_json(plan.to_json())
-    assert back == plan and back.fingerprint() == plan.fingerprint()
-    stats = plan.stats
-    assert stats.micro_count == 0 and stats.predicted_time == 0 and math.isfinite(stats.rank_imbalance)
+    refused(lambda: mp.plan(batch, mp.PlanConfig(dp_size=4, steps=steps, short_step=short_step, **size)),
+            "empty", "0 samples")
 
 
 def test_not_a_batch_or_config():
@@ -287,3 +279,60 @@ def test_not_a_batch_or_config():
 def test_rank_out_of_range():
     plan = mp.plan(mp.Batch([1, 2]), cfg())
     refused(lambda: plan.rank(2), "rank 2", "dp_size=2")
+
+
+# -- issue 21: types a reader got wrong; issue 17: absurd sizes --------------------------------
+
+
+@pytest.mark.parametrize("field", ["seq_lens", "loss_tokens", "prompt_lens", "rank_of", "shared_prefix_lens"])
+def test_whole_number_float_lengths_refused(field):
+    """200.0 is refused like 200.5 (DESIGN: ints); the message names the field and the index."""
+    kw = {"seq_lens": [300, 400], field: [0.0, 1.0] if field != "seq_lens" else [300.0, 400.0]}
+    if field == "shared_prefix_lens":
+        kw["prefix_parent"] = [-1, 0]
+    refused(lambda: mp.Batch(**kw), f"{field}[0]", "float")
+    refused(lambda: mp.Batch(np.array([300, 400], dtype=np.float64)), "seq_lens[0]=300.0", "float")
+
+
+@pytest.mark.parametrize("lens,where", [(["200", "300"], "seq_lens[0]='200'"), ([200, "300"], "seq_lens[1]='300'"),
+                                        (np.array(["200"]), "seq_lens[0]='200'")])
+def test_string_lengths_refused(lens, where):
+    refused(lambda: mp.Batch(lens), where, "str")
+
+
+def test_ids_mixing_ints_and_strings_are_one_group():
+    """issue 21: 1 and "1" in one id array were two prompts; a mixed array is normalised to strings."""
+    b = mp.Batch([5, 6, 7, 8], prompt_ids=[1, "1", np.int64(1), "x"])
+    assert b.num_prompts == 2 and b.prompt_codes.tolist() == [0, 0, 0, 1]
+    assert b.prompt_ids == ["1", "1", "1", "x"] and mp.Batch.from_dict(b.to_dict()) == b
+    b = mp.Batch([5, 6], rollout_ids=np.array([1, "1"], dtype=object))
+    assert b.num_rollouts == 1 and b.rollout_ids == ["1", "1"]
+    assert mp.Batch([5, 6], prompt_ids=[1, 1]).prompt_ids == [1, 1]  # pure ints stay ints
+
+
+def test_ids_normalised_to_plain_python_values():
+    b = mp.Batch([5, 6, 7], prompt_ids=[np.int64(4), 4, np.int32(9)], rollout_ids=np.array(["x", "y", "z"]))
+    assert b.prompt_ids == [4, 4, 9] and all(type(v) is int for v in b.prompt_ids)
+    assert b.rollout_ids == ["x", "y", "z"] and all(type(v) is str for v in b.rollout_ids)
+    assert b.prompt_codes.tolist() == [0, 0, 1]
+    assert mp.Batch.from_dict(b.to_dict()) == b
+
+
+@pytest.mark.parametrize("field,value", [("dp_size", 2.0), ("dp_size", np.float64(4.0)), ("align", 2.0),
+                                         ("max_tokens_per_micro", 100.0), ("pipeline_stages", 1.0)])
+def test_whole_number_float_counts_refused(field, value):
+    refused(lambda: cfg(**{field: value}), f"PlanConfig.{field}={value!r}", "not an int")
+
+
+@pytest.mark.parametrize("field", ["dp_size", "align", "pipeline_stages"])
+def test_absurd_counts_refused_before_any_allocation(field):
+    """issue 17: dp_size=2**40 raised MemoryError inside the planner."""
+    refused(lambda: cfg(**{field: 2 ** 40}), f"PlanConfig.{field}=1099511627776", "1,048,576")
+    refused(lambda: mp.ContextParallel(size=2 ** 40), "ContextParallel.size")
+    refused(lambda: cfg(dp_size=2 ** 20, align=32), "dp_size=1048576", "align=32", "2**24")
+    assert cfg(dp_size=2 ** 20).dp_size == 2 ** 20  # the bound itself is allowed
+
+
+def test_huge_dp_plans_a_tiny_batch_without_memory_error():
+    plan = mp.plan(mp.Batch([5, 6, 7]), cfg(dp_size=2 ** 14))
+    assert plan.steps[0].micro_count == 1 and plan.stats.num_placeholders == 2 ** 14 - 3

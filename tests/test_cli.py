@@ -197,7 +197,8 @@ def test_plot_placeholders_and_errors(tmp_path: Path, monkeypatch: pytest.Monkey
     assert _png_size(plot_plan(plan, tmp_path / "ph.png"))[0] > 0
     with pytest.raises(mp.PlanError, match="step=3 is outside 0..0"):
         plot_plan(plan, tmp_path / "x.png", step=3)
-    empty = mp.plan(mp.Batch(np.zeros(0, dtype=np.int64)), mp.PlanConfig(dp_size=2, max_tokens_per_micro=10))
+    from microplan.planner import build_plan  # plan() refuses an empty batch; a stepless Plan still exists
+    empty = build_plan(mp.Batch(np.zeros(0, dtype=np.int64)), mp.PlanConfig(dp_size=2, max_tokens_per_micro=10))
     with pytest.raises(mp.PlanError, match="no steps to plot"):
         plot_plan(empty, tmp_path / "e.png")
     real_import = builtins.__import__

@@ -400,3 +400,30 @@ def test_calibration_row_and_options():
         calibration_row([], 1.0)
     with pytest.raises(mp.PlanError):
         calibrate(synthetic_rows(5, 0.0, np.random.default_rng(0)), relative=None)
+
+
+# -- issue 17: coefficients whose costs overflow float64 ----------------------------------------
+
+
+@pytest.mark.parametrize("field,value", [("quadratic", 1e307), ("quadratic", 1e262), ("linear", 1e290),
+                                         ("per_micro", 1e300), ("packed_quadratic", 1e280)])
+def test_overflowing_coefficients_refused(field, value):
+    """FlopsCost(quadratic=1e307) planned with inf costs; now refused naming the coefficient."""
+    kw = {"linear": 1.0, field: value}
+    with pytest.raises(mp.PlanError, match=rf"FlopsCost\.{field}=.*exceeds.*larger units"):
+        mp.FlopsCost(**kw)
+    with pytest.raises(mp.PlanError, match=r"TokenCost\.per_micro"):
+        mp.TokenCost(per_micro=1e305)
+
+
+def test_largest_allowed_coefficients_plan_finite_costs():
+    from microplan.cost.models import MAX_MICRO_COST, MAX_PRICED_TOKENS as T
+    c = mp.FlopsCost(linear=MAX_MICRO_COST / 4 / T, quadratic=MAX_MICRO_COST / 4 / T ** 2,
+                     per_micro=MAX_MICRO_COST / 4, packed_quadratic=MAX_MICRO_COST / 4 / T ** 2)
+    b = mp.Batch([2 ** 40, 2 ** 40 - 5, 3, 4, 2 ** 39])
+    for size in ({"max_tokens_per_micro": 2 ** 42}, {"micro_batch_size": 5}):
+        plan = mp.plan(b, mp.PlanConfig(dp_size=2, cost=c, **size))
+        plan.validate()
+        s = plan.stats
+        assert all(np.isfinite([s.predicted_time, s.time_lower_bound, s.rank_imbalance]))
+        assert c.micro_cost([2 ** 40] * 4) < float("inf")

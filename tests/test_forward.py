@@ -184,10 +184,9 @@ def test_json_kind_defaults_to_train_for_older_plans():
         mp.Plan.from_json(json.dumps(d))
 
 
-def test_empty_batch_gives_an_empty_forward_plan():
-    fwd = mp.plan_forward(mp.Batch([]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=64))
-    assert fwd.steps == [] and fwd.kind == "forward"
-    fwd.validate()
+def test_empty_batch_is_refused_by_plan_forward():
+    with pytest.raises(mp.PlanError, match="the batch is empty"):
+        mp.plan_forward(mp.Batch([]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=64))
 
 
 def test_bad_arguments():

@@ -203,6 +203,19 @@ def test_min_micro_count_hook(data, inputs, k):
         assert step.micro_count >= k and step.micro_count % cfg.align == 0
 
 
+@pytest.mark.parametrize("p,v,align,k", [(4, 1, 1, 2), (4, 2, 4, 2), (3, 1, 1, 1), (2, 1, 1, 5), (4, 2, 4, 6)])
+def test_min_micro_count_adds_to_pipeline_stages(p, v, align, k):
+    """issue 17: min_micro_count=2 with pipeline_stages=4 planned K=2 (the minimum replaced K >= p)
+    and the plan failed validate(); K is now >= max(min_micro_count, p), aligned."""
+    b = mp.Batch([100] * 16, rank_of=np.arange(16) % 2)
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=1000, placement="local", pipeline_stages=p,
+                        virtual_stages=v, align=align)
+    plan = build_plan(b, cfg, min_micro_count=k)
+    plan.validate()
+    K = plan.steps[0].micro_count
+    assert K >= max(k, p) and K % align == 0 and K == -(-max(k, p, 1) // align) * align
+
+
 def test_local_balances_slots_across_ranks():
     """Lockstep time within 1% of the busiest rank's work on a long-tail step pinned by a balanced split."""
     rng = np.random.default_rng(3)

@@ -5,17 +5,25 @@ sample, how many of its tokens carry loss, and which prompt (GRPO group) and rol
 of one step-wise trajectory) it belongs to. Ids are normalised to dense codes in order of first
 appearance, so ``[7, 7, 3]`` and ``["b", "b", "a"]`` describe the same structure.
 
-Validation happens once, here: lengths are ints >= 1, ``0 <= loss_tokens <= seq_lens``, arrays
-agree in length, and a rollout never spans two prompts. Everything downstream trusts it.
-Cost: O(n) numpy work plus an O(n) dict pass for non-integer ids.
+Validation happens once, here: lengths are ints >= 1 (floats, even whole ones like 200.0, and
+strings like "200" are refused naming the field and index: they mean a column was read with the
+wrong type), ``0 <= loss_tokens <= seq_lens``, arrays agree in length, and a rollout never spans
+two prompts. Everything downstream trusts it. Ids are ints or strings; an id array that mixes
+the two is normalised to strings (``[1, "1"]`` becomes ``["1", "1"]``: one prompt, as a CSV or
+JSON reader that lost the types would see it), so 1 and "1" never silently form two groups.
+Cost: O(n) numpy work, no Python loop per sample: int ids are coded with ``np.unique``
+(return_index/inverse), string ids with one C-level dict pass. Measured: 16,384 GRPO samples
+with prompt and rollout ids build in ~1-2 ms (benchmarks/bench_speed.py; ~13 ms with the earlier
+per-sample loop). An empty Batch is allowed (a rank's local shard may be empty); planning one is
+a PlanError.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -33,6 +41,8 @@ _FIX = {
     "vision_tokens": "pass each sample's vision-encoder patches (0 for a text-only sample) as an int >= 0.",
     "num_images": "pass each sample's image/video-clip count (0 for a text-only sample) as an int >= 0.",
     "rank_of": "pass the data-parallel rank (an int >= 0) that holds each sample, or leave rank_of out.",
+    "prefix_parent": "pass each sample's prefix parent (an earlier sample's index, or -1) as an int.",
+    "shared_prefix_lens": "pass each sample's shared prefix length as an int >= 0.",
 }
 
 
@@ -40,8 +50,18 @@ _MAX_LEN = 2 ** 40  # keeps every sum of lengths far inside int64
 
 
 def _ints(name: str, values: Any, *, minimum: int) -> np.ndarray:
-    """``int_array`` with a fix appended to its message."""
+    """``int_array`` with a fix appended to its message; floats and strings refused by index."""
     try:
+        if not isinstance(values, np.ndarray):
+            try:
+                arr = np.asarray(values)  # once: a list of 16k ints costs ~0.5 ms to convert
+            except Exception:  # ragged: int_array says so
+                arr = None
+            if arr is not None:
+                _refuse_non_ints(name, arr, values)
+                values = arr
+        else:
+            _refuse_non_ints(name, values, values)
         if isinstance(values, np.ndarray) and np.issubdtype(values.dtype, np.unsignedinteger) and values.size \
                 and int(values.max()) > _MAX_LEN:
             i = int(np.argmax(values))
@@ -55,24 +75,94 @@ def _ints(name: str, values: Any, *, minimum: int) -> np.ndarray:
         raise PlanError(f"{exc} Fix: {_FIX[name]}") from None
 
 
-def _factorize(name: str, ids: Any, n: int) -> tuple[np.ndarray, list[Any]]:
-    """Dense codes in order of first appearance, plus the distinct ids in that order."""
+def _refuse_non_ints(name: str, arr: np.ndarray, values: Any) -> None:
+    """Refuse floats (even whole ones: 200.0) and strings ("200") naming the first such entry.
+
+    DESIGN says lengths are ints: a float or a string usually means a column was read with the
+    wrong type, which is better fixed where it was read than guessed at here. NaN, inf and
+    fractions keep ``int_array``'s own messages (checked first, so they name their index).
+    """
+    if arr.ndim != 1 or arr.size == 0 or np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+        return
+    if np.issubdtype(arr.dtype, np.floating):
+        if not np.isfinite(arr).all() or (arr != np.floor(arr)).any():
+            return  # int_array names the NaN/inf/fraction
+        raise PlanError(f"{name}[0]={arr[0].item()!r} is a float ({arr.dtype} values); {name} holds ints: convert "
+                        f"the array with .astype(int) where it is built (a whole-number float usually means the "
+                        "column was read with the wrong type).")
+    seq = values.tolist() if isinstance(values, np.ndarray) else list(values)
+    for i, v in enumerate(seq):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise PlanError(f"{name}[{i}]={v!r} is a {type(v).__name__}, not an int; {name} holds ints: convert "
+                            f"it where the value is read (int({v!r}) for a whole number).")
+
+
+class _Codes(NamedTuple):
+    """Dense id codes in order of first appearance (see :func:`_factorize`)."""
+
+    codes: np.ndarray   # int64 code of each sample
+    first: np.ndarray   # int64 index of each code's first sample, ascending
+    ids: list[Any]      # each sample's id as a plain Python int or str (JSON-ready)
+
+
+def _factorize(name: str, ids: Any, n: int) -> _Codes:
+    """Dense codes in order of first appearance, vectorised (no Python loop per sample).
+
+    An id array that mixes ints and strings is normalised to strings (``str(1) == "1"``: one
+    group), never two groups that print alike. Int ids are coded with ``np.unique``
+    (return_index/inverse); string ids with C-level dict passes.
+    """
     if isinstance(ids, np.ndarray) and ids.ndim != 1:
         raise PlanError(f"{name} must be 1-D, got shape {ids.shape}; pass one id per sample.")
     if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
         raise PlanError(f"{name}={ids!r} is not a sequence; pass one id (int or str) per sample.")
-    values = list(ids.tolist() if isinstance(ids, np.ndarray) else ids)
+    arr: np.ndarray | None = None
+    if isinstance(ids, np.ndarray) and ids.dtype.kind in "iuU":
+        values, kind = ids.tolist(), "str" if ids.dtype.kind == "U" else "int"
+        arr = ids if kind == "int" else None
+    else:
+        values = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
+        types = set(map(type, values))
+        kind = _id_kind(name, values, types)
+        if types - {int, str} or types == {int, str}:  # numpy ints, str subclasses, a mix: plain values
+            values = list(map(str, values)) if kind == "str" else np.asarray(values, dtype=np.int64).tolist()
     if len(values) != n:
         raise PlanError(f"{name} has {len(values)} entries but seq_lens has {n}; pass one id per sample.")
-    codes = np.empty(n, dtype=np.int64)
-    seen: dict[Hashable, int] = {}
+    if kind == "str":  # C-level passes: each id's first sample (later writes win, so feed them reversed)
+        first_of = dict(zip(reversed(values), range(n - 1, -1, -1)))
+        first = np.fromiter(map(first_of.__getitem__, values), dtype=np.int64, count=n)
+        is_first = np.zeros(n, dtype=bool)
+        is_first[first] = True
+        codes = (np.cumsum(is_first) - 1)[first]
+    else:
+        if arr is None:
+            try:
+                arr = np.asarray(values, dtype=np.int64)
+            except OverflowError:
+                raise PlanError(f"{name} holds an int outside int64; pass ids within ±2**63, or strings.") from None
+        _, first, inverse = np.unique(arr, return_index=True, return_inverse=True)
+        rank = np.empty(first.size, dtype=np.int64)
+        rank[np.argsort(first, kind="stable")] = np.arange(first.size, dtype=np.int64)
+        codes = rank[inverse.reshape(-1)]
+    new = np.ones(n, dtype=bool)  # codes are dense in first-appearance order: a new code tops all before it
+    if n > 1:
+        new[1:] = codes[1:] > np.maximum.accumulate(codes)[:-1]
+    return _Codes(codes, np.flatnonzero(new), values)
+
+
+def _id_kind(name: str, values: list[Any], types: set[type]) -> str:
+    """'int' or 'str' (ints mixed with strings count as strings) for a list of ids (``types``:
+    their types); anything else is refused naming the first bad entry."""
+    ints = {t for t in types if issubclass(t, (int, np.integer)) and not issubclass(t, (bool, np.bool_))}
+    strs = {t for t in types if issubclass(t, str)}
+    if types == ints | strs:
+        return "str" if strs else "int"
     for i, v in enumerate(values):
         if isinstance(v, float) and v != v:
             raise PlanError(f"{name}[{i}] is NaN; ids must be ints or strings: pass one int or str id per sample.")
-        if not isinstance(v, (int, str, np.integer)) or isinstance(v, bool):
+        if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, str, np.integer)):
             raise PlanError(f"{name}[{i}]={v!r} must be an int or a string: pass one int or str id per sample.")
-        codes[i] = seen.setdefault(v, len(seen))
-    return codes, list(seen)
+    raise AssertionError("unreachable: every type was int or str")  # pragma: no cover
 
 
 class Batch:
@@ -153,16 +243,14 @@ class Batch:
                                 "loss on more tokens than it has: pass the response-mask sum as loss_tokens, or fix "
                                 "seq_lens.")
         if rollout_ids is None:
-            rcodes, rids = np.arange(n, dtype=np.int64), None
+            rcodes, rfirst, rids = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64), None
         else:
-            rcodes, rlist = _factorize("rollout_ids", rollout_ids, n)
-            rids = _id_list(rollout_ids)
+            rcodes, rfirst, rids = _factorize("rollout_ids", rollout_ids, n)
         if prompt_ids is None:
             pcodes, pids = rcodes.copy(), None
         else:
-            pcodes, _ = _factorize("prompt_ids", prompt_ids, n)
-            pids = _id_list(prompt_ids)
-            _check_rollouts_in_one_prompt(rcodes, pcodes, rollout_ids)
+            pcodes, _, pids = _factorize("prompt_ids", prompt_ids, n)
+            _check_rollouts_in_one_prompt(rcodes, rfirst, pcodes, rids)
         for a in (rcodes, pcodes):
             a.setflags(write=False)
         self.seq_lens = lens
@@ -309,8 +397,8 @@ def _prefixes(parent: Any, shared: Any, lens: np.ndarray) -> tuple[np.ndarray | 
         raise PlanError(f"Batch got {given} without {missing}; pass both (microplan.find_shared_prefixes(token_ids) "
                         "returns the pair), or neither.")
     n = lens.size
-    p = int_array("prefix_parent", parent, minimum=-1)
-    s = int_array("shared_prefix_lens", shared, minimum=0)
+    p = _ints("prefix_parent", parent, minimum=-1)
+    s = _ints("shared_prefix_lens", shared, minimum=0)
     _same_length("prefix_parent", p, n)
     _same_length("shared_prefix_lens", s, n)
     idx = np.arange(n)
@@ -357,21 +445,13 @@ def _opt_equal(a: np.ndarray | None, b: np.ndarray | None) -> bool:
     return np.array_equal(a, b)
 
 
-def _id_list(ids: Any) -> list[Any]:
-    """The ids as plain Python ints/strings (JSON-ready, comparable)."""
-    values = ids.tolist() if isinstance(ids, np.ndarray) else list(ids)
-    return [int(v) if isinstance(v, (int, np.integer)) else str(v) for v in values]
-
-
-def _check_rollouts_in_one_prompt(rcodes: np.ndarray, pcodes: np.ndarray, rollout_ids: Any) -> None:
-    if rcodes.size == 0:
-        return
-    _, first_idx = np.unique(rcodes, return_index=True)
-    first = pcodes[first_idx]  # prompt of each rollout's first sample (codes are dense)
-    bad = first[rcodes] != pcodes
+def _check_rollouts_in_one_prompt(rcodes: np.ndarray, rfirst: np.ndarray, pcodes: np.ndarray,
+                                  rollout_ids: list[Any] | None) -> None:
+    """``rfirst``: each rollout's first sample (codes are dense in first-appearance order)."""
+    bad = pcodes[rfirst][rcodes] != pcodes
     if bad.any():
         i = int(np.flatnonzero(bad)[0])
-        rid = list(rollout_ids)[i]
+        rid = rollout_ids[i] if rollout_ids is not None else i
         raise PlanError(f"rollout {rid!r} spans two prompts (sample {i} has another prompt id than "
                         "the rollout's first sample); a rollout must belong to exactly one prompt — "
                         "fix prompt_ids or rollout_ids.")

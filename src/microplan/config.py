@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from numbers import Integral, Real
 from typing import Any, Literal
 
 from ._checks import float_field
@@ -46,10 +47,31 @@ _INT_FIX = {
 }
 
 
-def int_field(name: str, value: Any, *, minimum: int | None = None) -> int:
-    """``_checks.int_field`` with the fix for this field appended to its message."""
+#: Upper bound of every count that sizes the plan (ranks, CP degree, pipeline stages, align):
+#: far above any cluster, far below what would exhaust memory. dp_size=2**40 used to reach the
+#: planner and die in MemoryError; now it is refused here, before anything is allocated.
+MAX_COUNT = 2 ** 20
+#: Bound on dp_size × max(align, pipeline_stages): the micro-batch slots of one step's smallest plan.
+MAX_SLOTS = 2 ** 24
+
+
+def int_field(name: str, value: Any, *, minimum: int | None = None, maximum: int | None = None) -> int:
+    """``_checks.int_field`` with the fix for this field appended to its message.
+
+    Stricter than ``_checks.int_field``: a whole-number float (``dp_size=2.0``) is refused too — a
+    count that arrives as a float was computed or read with the wrong type, and silently
+    truncating the next one (2.5) would be worse.
+    """
     try:
-        return _int_field(name, value, minimum=minimum)
+        if isinstance(value, Real) and not isinstance(value, Integral) and math.isfinite(float(value)) \
+                and float(value).is_integer():
+            raise PlanError(f"{name}={value!r} is a {type(value).__name__}, not an int; pass the int "
+                            f"{int(value)} (a count computed with / is a float: use //).")
+        v = _int_field(name, value, minimum=minimum)
+        if maximum is not None and v > maximum:
+            raise PlanError(f"{name}={v} exceeds {maximum:,} (2**{maximum.bit_length() - 1}), far above any "
+                            "cluster; a value this large is a bug in how it was computed.")
+        return v
     except PlanError as exc:
         raise PlanError(f"{exc} Fix: {_INT_FIX[name]}") from None
 
@@ -176,7 +198,7 @@ class ContextParallel:
             raise PlanError(f"ContextParallel needs exactly one of size (fixed) or max_size (dynamic); got "
                             f"{given or 'none'}. Pass one, e.g. ContextParallel(size=2).")
         name = given[0]
-        v = int_field(f"ContextParallel.{name}", getattr(self, name), minimum=1)
+        v = int_field(f"ContextParallel.{name}", getattr(self, name), minimum=1, maximum=MAX_COUNT)
         if name == "max_size" and v & (v - 1):
             raise PlanError(f"ContextParallel.max_size={v} must be a power of two (1, 2, 4, ...).")
         object.__setattr__(self, name, v)
@@ -268,7 +290,7 @@ class PlanConfig:
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
-        set_("dp_size", int_field("PlanConfig.dp_size", self.dp_size, minimum=1))
+        set_("dp_size", int_field("PlanConfig.dp_size", self.dp_size, minimum=1, maximum=MAX_COUNT))
         if (self.max_tokens_per_micro is None) == (self.micro_batch_size is None):
             got = ("both max_tokens_per_micro={} and micro_batch_size={}".format(self.max_tokens_per_micro,
                                                                                  self.micro_batch_size)
@@ -287,7 +309,7 @@ class PlanConfig:
         if self.steps is not None and not isinstance(self.steps, Steps):
             raise PlanError(f"PlanConfig.steps must be a microplan.Steps or None, got {type(self.steps).__name__}; "
                             "pass e.g. steps=Steps(prompts_per_step=32).")
-        set_("align", int_field("PlanConfig.align", self.align, minimum=1))
+        set_("align", int_field("PlanConfig.align", self.align, minimum=1, maximum=MAX_COUNT))
         if self.short_step not in ("pad", "drop", "error"):
             raise PlanError(f"PlanConfig.short_step={self.short_step!r} must be 'pad', 'drop' or 'error'; set one of "
                             "them (see the PlanConfig docstring).")
@@ -340,10 +362,16 @@ class PlanConfig:
 
     def _check_pipeline(self) -> None:
         """pipeline_stages / virtual_stages (Megatron's rules for the interleaved schedule)."""
-        p = int_field("PlanConfig.pipeline_stages", self.pipeline_stages, minimum=1)
-        v = int_field("PlanConfig.virtual_stages", self.virtual_stages, minimum=1)
+        p = int_field("PlanConfig.pipeline_stages", self.pipeline_stages, minimum=1, maximum=MAX_COUNT)
+        v = int_field("PlanConfig.virtual_stages", self.virtual_stages, minimum=1, maximum=MAX_COUNT)
         object.__setattr__(self, "pipeline_stages", p)
         object.__setattr__(self, "virtual_stages", v)
+        k = max(self.align, p)
+        if self.dp_size * k > MAX_SLOTS:
+            which = "align" if self.align >= p else "pipeline_stages"
+            raise PlanError(f"dp_size={self.dp_size} × {which}={k} = {self.dp_size * k:,} micro-batches per step at "
+                            f"the least, over the {MAX_SLOTS:,} (2**24) a plan holds; lower dp_size or {which} "
+                            "(each micro-batch of a plan is an object in memory).")
         if v > 1 and p == 1:
             raise PlanError(f"PlanConfig.virtual_stages={v} needs pipeline parallelism: set pipeline_stages to the "
                             "pipeline degree p >= 2, or virtual_stages=1.")

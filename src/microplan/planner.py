@@ -42,6 +42,9 @@ __all__ = ["plan", "build_plan"]
 
 def plan(batch: Batch, config: PlanConfig) -> Plan:
     """Plan the layout of ``batch`` under ``config`` (binding API). Raises PlanError on bad input."""
+    if isinstance(batch, Batch) and batch.num_samples == 0:  # DESIGN: an empty batch is an error, never an empty plan
+        raise PlanError("the batch is empty (0 samples): there is nothing to plan, and an empty plan would hide a "
+                        "data-loading bug; pass the step's samples (at least one), or skip the step before planning.")
     return build_plan(batch, config)
 
 

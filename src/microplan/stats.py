@@ -7,7 +7,10 @@ GPUs each GPU does 1/c of the token work: (micro_cost − per_micro) / c + per_m
 placeholder runs one dummy token (so it never costs more than a real micro-batch).
 ``max_micro_tokens`` is the footprint per GPU: ⌈tokens held, padding included / cp_size⌉. The lower bound of a step is
 min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
-max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro).
+max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro). Padded
+layouts run every row as its own sequence, so their bound is additive even under a dense kernel:
+each sample at the cheaper of its lone and masked row cost (no packed-row Jensen term, which
+used to put the bound up to 1.8× above the plan's own predicted time).
 With pipeline parallelism the step's wall time under the 1F1B (or interleaved) schedule is
 ``pipeline_time`` (``stages/pipeline.py``); the other times stay whole-model sums.
 
@@ -18,12 +21,13 @@ This module reads a plan's parts (batch, config, steps), never the ``Plan`` clas
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
-from .cost.models import bin_costs
+from .cost.models import CostModel, bin_costs, row_costs
 from .footprint import Footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
 from .stages.assign import grid_time
@@ -107,9 +111,30 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
                                 gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
     fp = footprint_of(batch, cfg) if fp is None else fp
     lens = fp.sample_tokens[idx]
-    return best_lower_bound(fp.sample_costs(cost, idx), lens, k_lb, bins_per_k=cfg.dp_size,
-                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
+    costs, view = fp.sample_costs(cost, idx), cost
+    if fp.padded:
+        costs, view = _padded_sample_costs(cost, fp, idx), _AdditiveView(float(cost.per_micro))
+    return best_lower_bound(costs, lens, k_lb, bins_per_k=cfg.dp_size,
+                            gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=view,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+class _AdditiveView(NamedTuple):
+    """A cost without a packed-row term, for the bound of padded layouts (only ``per_micro`` is read)."""
+
+    per_micro: float
+    packed_quadratic: float = 0.0
+
+
+def _padded_sample_costs(cost: CostModel, fp: Footprint, idx: np.ndarray) -> np.ndarray:
+    """The least any padded micro-batch pays for each sample's row: the row is at least the sample's
+    own width w, a lone row runs the plain causal path (``sample_costs(w)``) and a masked row of a
+    dense kernel pays ``linear·w + packed_quadratic·w²`` (``row_costs``), so the cheaper of the two.
+    Padded rows never form a packed row of T tokens: the packed term's Jensen bound over T (which
+    put ``time_lower_bound`` above ``predicted_time``) does not apply to them."""
+    w = fp.sample_tokens[idx].astype(np.float64)
+    out = np.minimum(row_costs(cost, w, 1), row_costs(cost, w, 2))
+    return out if fp.vision_costs is None else out + fp.vision_costs[idx]
 
 
 def step_tree(batch: Batch, idx: np.ndarray) -> PrefixTree:

@@ -8,12 +8,21 @@ here, not read from the Micro) and the vision cap / micro_batch_size, CP
 groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
 exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
 groups, and the loss scales (recomputed from the loss contract; all 0 in a forward plan), and
-K >= pipeline_stages. Cost: O(total samples).
+K >= pipeline_stages. Cost: O(total samples + dp·K).
+
+Vectorised: a step's micro-batches are read once into flat arrays (their samples concatenated,
+each tagged with its micro-batch), every per-micro-batch check runs as one numpy expression, and
+only the first flagged micro-batch is re-checked one by one (``_check_micro``) for the exact
+message. Prefix trees and dynamic CP groups are still checked per micro-batch. Measured: local
+placement at dp 1,024 with every sample on one rank (K = 530, 542,720 micro-batches) validated
+in 55 s with a Python loop of numpy calls per micro-batch, ~1 s now (docs: benchmarks/README.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from itertools import chain, repeat
+from operator import attrgetter, ne
 
 import numpy as np
 
@@ -119,15 +128,11 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             _fail(f"step {s}: {K} micro-batches per rank is not a positive multiple of align={cfg.align}")
         if K < cfg.pipeline_stages:
             _fail(f"step {s}: {K} micro-batches per rank is fewer than pipeline_stages={cfg.pipeline_stages}")
-        for r, row in enumerate(step.micros):
-            for m, micro in enumerate(row):
-                _check_micro(b, cfg, s, r, m, micro, fp)
-                if cfg.placement == "local":
-                    _check_pinned(b.rank_of, s, r, m, micro)  # type: ignore[arg-type]
+        flat = _Flat(step, K)
+        _screen_micros(b, cfg, s, flat, fp)
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
             _check_cp_groups(step, s)
-        seen = [mi.indices for row in step.micros for mi in row if mi.cp_rank == 0]
-        idx = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int64)
+        idx = flat.idx[flat.cp_rank[flat.micro_of] == 0]
         if np.unique(idx).size != idx.size:
             _fail(f"step {s}: a sample appears in two micro-batches")
         if (owner[idx] >= 0).any():
@@ -138,9 +143,9 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
         if not idx.size:
             _fail(f"step {s} trains no sample")
         if forward:
-            _check_zero_scales(step, s)
+            _check_zero_scales(flat, s)
         else:
-            _check_scales(b, cfg, step, s)
+            _check_scales(b, cfg, step, flat, s)
     if dropped.size and (dropped.min() < 0 or dropped.max() >= b.num_samples):
         bad = int(dropped[(dropped < 0) | (dropped >= b.num_samples)][0])
         _fail(f"dropped sample {bad} is out of range 0..{b.num_samples - 1}")
@@ -167,22 +172,122 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
                 _fail(f"{name} {int(bad[0])} spans steps {int(lo[bad[0]])} and {int(hi[bad[0]])}")
 
 
-def _check_zero_scales(step: Step, s: int) -> None:
-    for r, row in enumerate(step.micros):
-        for m, micro in enumerate(row):
-            if micro.loss_scale.any():
-                _fail(f"step {s}, rank {r}, micro {m}: a forward plan carries loss_scale 0 for every sample")
+def _check_zero_scales(flat: _Flat, s: int) -> None:
+    bad = flat.scale != 0
+    if bad.any():
+        r, m = flat.where(int(flat.micro_of[np.argmax(bad)]))
+        _fail(f"step {s}, rank {r}, micro {m}: a forward plan carries loss_scale 0 for every sample")
 
 
-def _check_scales(b: Batch, cfg: PlanConfig, step: Step, s: int) -> None:
+def _check_scales(b: Batch, cfg: PlanConfig, step: Step, flat: _Flat, s: int) -> None:
     idx = step.samples
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, b.loss_tokens[idx], b.prompt_codes[idx], b.rollout_codes[idx])
     want = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=step.micro_count)
     scale_of = np.zeros(b.num_samples)
     scale_of[idx] = want
-    for r, row in enumerate(step.micros):
-        for m, micro in enumerate(row):
-            if not np.allclose(micro.loss_scale, scale_of[micro.indices], rtol=1e-12, atol=0.0):
-                _fail(f"step {s}, rank {r}, micro {m}: loss_scale differs from the loss contract "
-                      f"({cfg.loss.mode}, W={cfg.grad_world})")
+    expect = scale_of[flat.idx]
+    bad = ~(np.abs(flat.scale - expect) <= 1e-12 * np.abs(expect))  # np.allclose(rtol=1e-12, atol=0), NaN fails
+    if bad.any():
+        r, m = flat.where(int(flat.micro_of[np.argmax(bad)]))
+        _fail(f"step {s}, rank {r}, micro {m}: loss_scale differs from the loss contract "
+              f"({cfg.loss.mode}, W={cfg.grad_world})")
+
+
+class _Flat:
+    """One step's micro-batches read once: per micro-batch (flat id r·K + m) its fields, and the
+    concatenation of their sample arrays, each entry tagged with its micro-batch (``micro_of``).
+
+    ``limit``: micro-batches before the first whose four arrays differ in length (all when none);
+    only those are concatenated, so every entry lines up with its micro-batch.
+    """
+
+    def __init__(self, step: Step, K: int) -> None:
+        self.K = K
+        self.micros = list(chain.from_iterable(step.micros))
+        F = len(self.micros)
+        arrays = [list(map(attrgetter(f), self.micros)) for f in ("indices", "seq_lens", "loss_tokens", "loss_scale")]
+        sizes = [np.fromiter(map(len, a), dtype=np.int64, count=F) for a in arrays]
+        off = np.flatnonzero((sizes[1] != sizes[0]) | (sizes[2] != sizes[0]) | (sizes[3] != sizes[0]))
+        self.limit = int(off[0]) if off.size else F
+        self.size = sizes[0]
+        full = np.flatnonzero(self.size[:self.limit]).tolist()  # placeholders hold nothing: skip them
+        cat = [np.concatenate([a[f] for f in full]) if full else np.zeros(0) for a in arrays]
+        self.idx, self.seq_lens, self.loss_tokens = (c.astype(np.int64, copy=False) for c in cat[:3])
+        self.scale = cat[3].astype(np.float64, copy=False)
+        self.micro_of = np.repeat(np.arange(self.limit, dtype=np.int64), self.size[:self.limit])
+        self.cp_size = np.fromiter(map(attrgetter("cp_size"), self.micros), dtype=np.int64, count=F)
+        self.cp_rank = np.fromiter(map(attrgetter("cp_rank"), self.micros), dtype=np.int64, count=F)
+
+    def where(self, f: int) -> tuple[int, int]:
+        """(rank, slot) of flat micro-batch ``f``."""
+        return divmod(f, self.K)
+
+
+def _screen_micros(b: Batch, cfg: PlanConfig, s: int, flat: _Flat, fp: Footprint) -> None:
+    """Every check of ``_check_micro`` (and ``_check_pinned`` under local placement) on all of a
+    step's micro-batches at once; the first flagged one is re-checked alone for its message."""
+    bad = np.zeros(flat.limit, dtype=bool)
+    n, idx, at = b.num_samples, flat.idx, flat.micro_of
+    oob = (idx < 0) | (idx >= n)
+    bad[at[oob]] = True
+    safe = np.where(oob, 0, idx)
+    wrong = (flat.seq_lens != b.seq_lens[safe]) | (flat.loss_tokens != b.loss_tokens[safe]) | ~np.isfinite(flat.scale)
+    bad[at[wrong]] = True
+    micros = flat.micros[:flat.limit]
+    if cfg.share_prefixes:  # trees: re-derived one micro-batch at a time
+        bad |= np.fromiter((m.indices.size > 0 for m in micros), dtype=bool, count=flat.limit)
+    else:
+        trees = list(map(attrgetter("tree"), micros))
+        if trees.count(None) != len(trees):
+            bad |= np.array([t is not None for t in trees], dtype=bool)
+    size, rank = flat.cp_size[:flat.limit], flat.cp_rank[:flat.limit]
+    cp = cfg.context_parallel
+    if cp is not None and cp.dynamic:
+        bad |= ((size & (size - 1)) != 0) | (size > cp.max_size)  # type: ignore[operator]
+    else:
+        own = chain.from_iterable(repeat((r,), flat.K) for r in range(len(flat.micros) // max(flat.K, 1)))
+        bad |= (size != cfg.static_cp_size) | (rank != 0)
+        bad |= np.fromiter(map(ne, map(attrgetter("cp_group"), micros), own), dtype=bool, count=flat.limit)
+    bad |= _other_rules(micros, micro_footprint(fp))
+    count = flat.size[:flat.limit]
+    if cfg.max_tokens_per_micro is not None:
+        if not cfg.share_prefixes:
+            held = fp.bin_tokens(safe, at, flat.limit)
+            bad |= held > size * cfg.max_tokens_per_micro
+        vcap = cfg.max_vision_tokens_per_micro
+        if vcap is not None and fp.vision_tokens is not None:
+            bad |= np.bincount(at, weights=fp.vision_tokens[safe], minlength=flat.limit) > vcap
+    else:
+        bad |= count > cfg.micro_batch_size  # type: ignore[operator]
+    if cfg.placement == "local":
+        away = b.rank_of[safe] != at // flat.K  # type: ignore[index]
+        bad[at[away]] = True
+    first = np.flatnonzero(bad)
+    f = int(first[0]) if first.size else flat.limit
+    if f == len(flat.micros):
+        return
+    r, m = flat.where(f)
+    _check_micro(b, cfg, s, r, m, flat.micros[f], fp)
+    if cfg.placement == "local":
+        _check_pinned(b.rank_of, s, r, m, flat.micros[f])  # type: ignore[arg-type]
+    if cfg.share_prefixes:  # trees pass: carry on past this micro-batch, one at a time
+        for g in range(f + 1, len(flat.micros)):
+            if bad[g] if g < flat.limit else True:
+                r, m = flat.where(g)
+                _check_micro(b, cfg, s, r, m, flat.micros[g], fp)
+                if cfg.placement == "local":
+                    _check_pinned(b.rank_of, s, r, m, flat.micros[g])  # type: ignore[arg-type]
+        return
+    _fail(f"step {s}, rank {r}, micro {m}: the micro-batch fails a check that its own re-check passes "
+          "(a validate bug: please report it)")
+
+
+def _other_rules(micros: list[Micro], want: Footprint | None) -> np.ndarray:
+    """Micro-batches whose footprint rules differ from the config's (each distinct footprint once)."""
+    fps = list(map(attrgetter("footprint"), micros))
+    ids = list(map(id, fps))
+    odd = {i for i, f in dict(zip(ids, fps)).items() if not _same_rules(f, want)}
+    if not odd:
+        return np.zeros(len(micros), dtype=bool)
+    return np.fromiter(map(odd.__contains__, ids), dtype=bool, count=len(micros))

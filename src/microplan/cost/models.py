@@ -27,7 +27,9 @@ The planner reads a model through :func:`bin_costs` / :func:`row_costs` (from
 tries; :meth:`micro_cost` (binding) is the same price for one micro-batch. Units are whatever the coefficients are in: FLOPs for
 :meth:`FlopsCost.from_hf_config`, seconds after calibration, profiling or metering.
 
-Guarantees: coefficients are finite and >= 0 (validated with messages naming the field);
+Guarantees: coefficients are finite and >= 0 (validated with messages naming the field), and
+small enough that a micro-batch of up to 2**64 tokens costs at most 1e300 (``check_coefficient``:
+sums of ~1e8 such costs stay finite; FlopsCost(quadratic=1e307) used to plan with inf costs);
 ``to_dict``/:func:`cost_from_dict` round-trip exactly, so plans serialise their cost model.
 Trade-off: a four-feature linear model cannot express everything a GPU does (kernel tile
 quantisation, communication overlap), but it can be fitted from a few dozen timed micro-batches
@@ -49,6 +51,25 @@ from .presets import DEFAULT_ATTENTION, DEFAULT_PER_MICRO_TOKENS, attention_kern
 
 __all__ = ["CostModel", "TokenCost", "FlopsCost", "cost_from_dict", "micro_features", "bin_costs", "row_costs",
            "FEATURES", "is_additive"]
+
+#: The largest micro-batch a cost model must price without overflow: 2**64 tokens, in one sample
+#: or one packed row (more than any GPU holds; Batch refuses samples over 2**40 tokens).
+MAX_PRICED_TOKENS = 2.0 ** 64
+#: The most one micro-batch may cost: float64 overflows at ~1.8e308, and step times sum up to
+#: ~1e8 micro-batch costs (ranks × micro-batches × steps), so 1e300 keeps every sum finite.
+MAX_MICRO_COST = 1e300
+
+
+def check_coefficient(name: str, value: float, power: int) -> None:
+    """Refuse a coefficient whose term alone (``value · MAX_PRICED_TOKENS**power``) would exceed a
+    quarter of :data:`MAX_MICRO_COST`: FlopsCost(quadratic=1e307) used to plan with inf costs."""
+    bound = MAX_MICRO_COST / 4 / MAX_PRICED_TOKENS ** power
+    if value > bound:
+        unit = {0: "", 1: "/token", 2: "/token²"}[power]
+        raise PlanError(f"{name}={value:.4g}{unit} exceeds {bound:.3g}{unit}: a micro-batch of up to 2**64 tokens "
+                        "would cost more than float64 can sum (predicted times would be inf); express the cost in "
+                        "larger units (seconds, or GFLOPs instead of FLOPs) so every coefficient is smaller.")
+
 
 #: The features every built-in model is linear in, in coefficient order.
 FEATURES: tuple[str, ...] = ("tokens", "sum_sq_len", "packed_sq", "num_micros")
@@ -147,6 +168,7 @@ class TokenCost:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_micro", float_field("TokenCost.per_micro", self.per_micro, minimum=0.0))
+        check_coefficient("TokenCost.per_micro", self.per_micro, 0)
 
     @property
     def linear(self) -> float:
@@ -206,8 +228,9 @@ class FlopsCost:
     packed_quadratic: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("linear", "quadratic", "per_micro", "packed_quadratic"):
+        for name, power in (("linear", 1), ("quadratic", 2), ("per_micro", 0), ("packed_quadratic", 2)):
             object.__setattr__(self, name, float_field(f"FlopsCost.{name}", getattr(self, name), minimum=0.0))
+            check_coefficient(f"FlopsCost.{name}", getattr(self, name), power)
         if self.linear == 0.0 and self.quadratic == 0.0 and self.packed_quadratic == 0.0:
             raise PlanError("FlopsCost.linear, quadratic and packed_quadratic are all 0: every sample would cost "
                             "nothing and balancing is meaningless; give at least one a positive value.")
