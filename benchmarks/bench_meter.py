@@ -84,9 +84,12 @@ def best_k(batch: mp.Batch, dp: int, cap: int, machine: mp.FlopsCost) -> float:
     return score(plan, machine) * min(min(times), chosen) / chosen
 
 
-def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False) -> dict:
+def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
+             spec: tuple | None = None, noise: float = NOISE) -> dict:
+    """One run of WARMUP + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
+    ``TRUTHS[truth_name]``) with timing noise ``noise``."""
     max_len, cap, group = FAMILIES[family]
-    slow, over, packed = TRUTHS[truth_name]
+    slow, over, packed = TRUTHS[truth_name] if spec is None else spec
     machine = truth(slow, over, cap, packed=bool(packed))
     if packed == "causal":  # the dense kernel's unmasked path for a lone sample: attention·L²
         machine = replace(machine, quadratic=machine.packed_quadratic / 2)
@@ -114,7 +117,7 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
                 out["K_sweep"].append(sweep.K)
                 if all_k:
                     out["all_k"].append(best_k(batch, dp, cap, machine))
-        for micro, t in measured_seconds(plan, machine, NOISE, rng):
+        for micro, t in measured_seconds(plan, machine, noise, rng):
             meter.record(micro, t)
     rep = meter.report()
     out["meter_error"] = rep.recent_median_error
