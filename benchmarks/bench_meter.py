@@ -14,7 +14,14 @@ divided by 1..8 and the best of those is the reference ("told a smaller cap").
 Targets (issue 9): metered lockstep/LB <= 1.003 median, <= 1.01 worst, within 0.002 of the oracle,
 on every family at dp 8 and 32; packed-T²: metered within 0.5 % of the best smaller-cap plan.
 
-Run: ``python -m benchmarks.bench_meter [--quick]``; writes ``benchmarks/results/meter-<date>-<host>.json``.
+Issue 20 adds, under the packed-T² truths, a cap sweep (12 caps from the longest sample to the cap,
+token- and prior-balanced plans; the best under the truth) and an all-K sweep (the planner's
+packing at every K, planned with the truth), and ``--grid``: the meter against the oracle on a grid
+of varlen truths (attention 1.2/2/3x, per-micro overhead 0/5/10 % of a cap-full micro-batch, 1/5 %
+noise).
+
+Run: ``python -m benchmarks.bench_meter [--quick] [--grid]``; writes
+``benchmarks/results/meter[-grid]-<date>-<host>.json``.
 """
 
 from __future__ import annotations
@@ -120,6 +127,7 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
         for micro, t in measured_seconds(plan, machine, noise, rng):
             meter.record(micro, t)
     rep = meter.report()
+    out["prior_terms"] = list(rep.prior_terms)
     out["meter_error"] = rep.recent_median_error
     out["fit"] = rep.cost.to_dict()
     return out
@@ -180,13 +188,63 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
     }
 
 
+GRID_ATTENTION, GRID_OVERHEAD, GRID_NOISE = (1.2, 2.0, 3.0), (0.0, 0.05, 0.10), (0.01, 0.05)
+
+
+def run_grid(seeds: range, families: list[str]) -> list[dict]:
+    """Issue 20 item 2: metered − oracle lockstep/LB per cell of a grid of varlen truths (attention
+    1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise)."""
+    cells = []
+    for fam in families:
+        for dp in (8, 32):
+            for a in GRID_ATTENTION:
+                for o in GRID_OVERHEAD:
+                    for nz in GRID_NOISE:
+                        rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz)
+                                for seed in seeds]
+                        gap = np.array([m - q for r in rows for m, q in zip(r["metered"], r["oracle"])])
+                        held = sorted({t for r in rows for t in r["prior_terms"]})
+                        cells.append(dict(family=fam, dp=dp, attention=a, overhead=o, noise=nz,
+                                          gap_median=float(np.median(gap)), gap_worst=float(gap.max()),
+                                          metered=float(np.median([m for r in rows for m in r["metered"]])),
+                                          prior_terms=held))
+    return cells
+
+
+def format_grid(cells: list[dict]) -> str:
+    lines = [f"{'family':<19}{'dp':>4}{'attn':>6}{'over':>6}{'noise':>7}{'met-oracle med/worst':>24}{'metered':>9}"
+             "  from the prior", "-" * 96]
+    for c in cells:
+        lines.append(f"{c['family']:<19}{c['dp']:>4}{c['attention']:>6.1f}{c['overhead']:>6.2f}{c['noise']:>7.2f}"
+                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['metered']:>9.4f}  "
+                     f"{', '.join(c['prior_terms']) or '-'}")
+    for nz in GRID_NOISE:
+        sub = [c for c in cells if c["noise"] == nz]
+        lines.append(f"noise {nz:.0%}: {sum(c['gap_median'] <= 0.002 for c in sub)}/{len(sub)} cells within 0.002 "
+                     f"(median); worst cell median {max(c['gap_median'] for c in sub):+.4f}, worst step "
+                     f"{max(c['gap_worst'] for c in sub):+.4f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 seeds instead of 6")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     args = ap.parse_args(argv)
     seeds = range(2) if args.quick else range(6)
-    rows = [run_case(fam, dp, seed, tr) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
+    if args.grid:
+        cells = run_grid(seeds, args.families)
+        print(f"CostMeter vs oracle on a grid of varlen truths ({len(seeds)} seeds x {SCORED} scored steps after "
+              f"{WARMUP} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step)")
+        print(format_grid(cells))
+        result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                      warmup=WARMUP, scored=SCORED, cells=cells)
+        if not args.no_write:
+            print(f"wrote {save_json('meter-grid', result)}.json")
+        return result
+    rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
     summary = summarise(rows)
     print(f"lockstep / LB under the simulated truth (median/worst over {len(seeds)} seeds x {SCORED} scored steps, "
           f"after {WARMUP} warm-up steps; {NOISE:.0%} timing noise); prior: FlopsCost.from_hf_config(7B) default")

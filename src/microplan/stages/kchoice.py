@@ -45,9 +45,10 @@ from ..types import KChoice
 from .assign import arrange, grid_time
 
 __all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
-           "choose_k", "SLACK"]
+           "choose_k", "choose_k_pipeline", "SLACK"]
 
 MAX_EVALS = 24  # packings tried per step when the cost has a packed-row term
+PIPELINE_EVALS = 12  # ... when K is chosen by pipeline time (each also times the step's constructed orders)
 GRID = 6        # interior points of the first, even look over the K range
 
 
@@ -182,9 +183,26 @@ def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Ca
     return _search(K0, k_hi, align, lower_bounds, pack, time, sync)
 
 
+def choose_k_pipeline(K_flat: int, k_hi: int, align: int, *, K0: int, lower_bounds: Callable[[np.ndarray], np.ndarray],
+                      pack: Packer, time: Timer, exact: Timer, sync: str) -> tuple[int, Any, KChoice]:
+    """K by predicted *pipeline* time, bubble included: the global search of the module note over
+    aligned K in [K_flat, k_hi] on ``time`` (the makespan in the best constructed order, no local
+    search: cheap), then ``exact`` (the makespan in the order the planner will run: ``exact <=
+    time``) for ``K_flat`` and for the best K until the best one is exactly timed. ``K_flat`` —
+    the K of least lockstep time — is ``candidates[0]``, so the K returned is never predicted
+    slower than it (``K0``: the cap's lower bound, reported). More, smaller micro-batches shrink
+    the bubble ((p − 1) stage-slots of the heaviest ones) at the price of per_micro."""
+    return _search(K_flat, max(k_hi, K_flat), align, lower_bounds, pack, time, sync, max_evals=PIPELINE_EVALS,
+                   lower_bound=K0, exact=exact,
+                   why="the pipeline bubble (1F1B / interleaved, in the pipeline order) shrinks with more, smaller "
+                       f"micro-batches while per_micro grows; K={K_flat}, first, is the K of least lockstep time")
+
+
 def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray], np.ndarray], pack: Packer,
-            time: Timer, sync: str) -> tuple[int, Any, KChoice]:
+            time: Timer, sync: str, *, max_evals: int | None = None, why: str | None = None,
+            lower_bound: int | None = None, exact: Timer | None = None) -> tuple[int, Any, KChoice]:
     """The global search of a packed-row cost over the aligned K in [K0, k_hi] (module note)."""
+    budget = MAX_EVALS if max_evals is None else max_evals
     Ks = np.arange(K0, k_hi + 1, align)
     lbs = lower_bounds(Ks)
     lb_of = dict(zip(Ks.tolist(), lbs.tolist()))
@@ -192,7 +210,7 @@ def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray],
     order: list[int] = []
 
     def evaluate(K: int) -> None:
-        if K in done or len(done) >= MAX_EVALS:
+        if K in done or len(done) >= budget:
             return
         got = pack(K)
         done[K] = (float("inf") if got is None else time(K, got), got)
@@ -211,7 +229,7 @@ def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray],
             evaluate(K)
     # 2. bracketing: halve the gaps on both sides of the best K tried until they close; a K whose
     #    lower bound is not below the best time so far is never packed (the cost-model bounds)
-    while len(done) < MAX_EVALS:
+    while len(done) < budget:
         k, t = best()
         tried = sorted(done)
         i = tried.index(k)
@@ -227,6 +245,15 @@ def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray],
             break
         for mid in mids:
             evaluate(mid)
+    if exact is not None:  # re-time with the exact timer until the best K is exactly timed (exact <= time)
+        timed: set[int] = set()
+        for k in [K0] + sorted(done, key=lambda k: (done[k][0], k)):
+            if k in timed or done[k][1] is None:
+                continue
+            if timed and done[k][0] >= min(done[j][0] for j in timed):
+                break  # no K left whose upper bound beats an exactly timed one
+            done[k] = (exact(k, done[k][1]), done[k][1])
+            timed.add(k)
     K, best_t = best()
     if not np.isfinite(best_t):  # nothing fitted the cap in range: grow past the searched Ks
         return _grow(max(done) + align, K0, align, pack, time, [(k, done[k][0]) for k in order])
@@ -234,11 +261,12 @@ def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray],
     live = [k for k in Ks.tolist() if lb_of[k] < best_t * (1 - 1e-12)]
     span = f"K={min(live)}..{max(live)}" if live else "no other K"
     listing = ", ".join(f"K={k}: {t:.4g}" for k, t in sorted(cands))
-    why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the "
-           f"K tried ({listing}); the cost's packed-row term makes fewer, larger micro-batches slower. "
-           f"Searched K={K0}..{k_hi} (the cap's lower bound to one sample per micro-batch); by the cost's "
-           f"lower bound only {span} could beat it")
-    return K, done[K][1], KChoice(K, K0, cands, why)
+    what = "pipeline" if why else ("lockstep" if sync == "micro" else "step-sync")
+    start = "the lockstep K" if why else "the cap's lower bound"
+    why = (f"K={K} has the lowest predicted {what} time of the K tried ({listing}); "
+           f"{why or 'the cost’s packed-row term makes fewer, larger micro-batches slower'}. Searched "
+           f"K={K0}..{k_hi} ({start} to one sample per micro-batch); by the cost's lower bound only {span} could beat it")
+    return K, done[K][1], KChoice(K, K0 if lower_bound is None else lower_bound, cands, why)
 
 
 def _probe_above(K: int, got: Any, choice: KChoice, k_hi: int, align: int,
