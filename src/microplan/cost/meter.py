@@ -265,24 +265,29 @@ class CostMeter:
         # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise
         mu_var = s * np.array([t0[0], t0[1], 0.0, t0[3]])
         mu_den = s * np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
-        try:
-            fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
-                    self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
-        except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
-            fits = [(mu_var, 0.0, TERMS), (mu_den, np.inf, TERMS)]
-        (theta_v, ss_v, held_v), (theta_d, ss_d, held_d) = fits
-        # the dense regime only when the records say so clearly (and it keeps a packed term)
-        if prior_dense:
-            use_dense = not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0
-        else:
-            use_dense = ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0
-        theta, held = (theta_d, held_d) if use_dense else (theta_v, held_v)
+        theta, held, use_dense, _ = self._regimes(XX, y, w, mu_var, mu_den, prior_dense)
         if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
             theta, held = (mu_den if use_dense else mu_var), tuple(TERMS)
         self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
         theta = theta * unit
         return FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
                          per_micro=float(theta[3]))
+
+    def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
+                 prior_dense: bool) -> tuple[np.ndarray, tuple[str, ...], bool, float]:
+        """Both regimes' MAP fits and the one kept: (θ, terms left at the prior, dense?, residual)."""
+        try:
+            fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
+                    self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
+            fits = [(mu_var, np.inf, TERMS), (mu_den, np.inf, TERMS)]
+        (theta_v, ss_v, held_v), (theta_d, ss_d, held_d) = fits
+        # the dense regime only when the records say so clearly (and it keeps a packed term)
+        if prior_dense:
+            use_dense = bool(not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0)
+        else:
+            use_dense = bool(ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0)
+        return (theta_d, held_d, True, ss_d) if use_dense else (theta_v, held_v, False, ss_v)
 
     def _map(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, mu: np.ndarray,
              free: tuple[int, ...]) -> tuple[np.ndarray, float, tuple[str, ...]]:
