@@ -346,6 +346,8 @@ def slot_order(grid: np.ndarray, cfg: PlanConfig, *, backward_ratio: float = BAC
     maxima, taken heaviest first (stable), so the order depends only on the slots, not on how they
     arrive — K by pipeline time (``fit.py``) times exactly the order the planner then runs."""
     slot = grid.max(axis=0)
+    if cfg.pipeline_stages <= 1 or (backward_ratio == 0 and cfg.virtual_stages == 1):
+        return np.arange(slot.size, dtype=np.int64)  # order-free (pipeline_order keeps the order as given)
     canon = np.argsort(-slot, kind="stable")
     return canon[pipeline_order(slot[canon], cfg.pipeline_stages, v=cfg.virtual_stages, group=cfg.align,
                                 backward_ratio=backward_ratio, search=search)]
