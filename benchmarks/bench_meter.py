@@ -14,7 +14,14 @@ divided by 1..8 and the best of those is the reference ("told a smaller cap").
 Targets (issue 9): metered lockstep/LB <= 1.003 median, <= 1.01 worst, within 0.002 of the oracle,
 on every family at dp 8 and 32; packed-T²: metered within 0.5 % of the best smaller-cap plan.
 
-Run: ``python -m benchmarks.bench_meter [--quick]``; writes ``benchmarks/results/meter-<date>-<host>.json``.
+Issue 20 adds, under the packed-T² truths, a cap sweep (12 caps from the longest sample to the cap,
+token- and prior-balanced plans; the best under the truth) and an all-K sweep (the planner's
+packing at every K, planned with the truth), and ``--grid``: the meter against the oracle on a grid
+of varlen truths (attention 1.2/2/3x, per-micro overhead 0/5/10 % of a cap-full micro-batch, 1/5 %
+noise).
+
+Run: ``python -m benchmarks.bench_meter [--quick] [--grid]``; writes
+``benchmarks/results/meter[-grid]-<date>-<host>.json``.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ import argparse
 import datetime
 import socket
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,20 +46,67 @@ from benchmarks.bench_planners import FAMILIES, SPG  # noqa: E402
 from benchmarks.truths import LLAMA2_7B, measured_seconds, score, steps_of, truth  # noqa: E402
 
 WARMUP, SCORED, NOISE = 3, 3, 0.03
-TRUTHS = {"attn1.5": (1.5, 0.02, False), "attn2.5": (2.5, 0.02, False), "dense-T2": (2.5, 0.02, True)}
+CAP_POINTS = 12  # caps of the dense truth's cap sweep
+TRUTHS = {"attn1.5": (1.5, 0.02, False), "attn2.5": (2.5, 0.02, False), "dense-T2": (2.5, 0.02, True),
+          "dense-T2c": (2.5, 0.02, "causal")}  # dense-T2c: a lone sample pays its causal attention (L²)
 
 
-def run_case(family: str, dp: int, seed: int, truth_name: str) -> dict:
+class Swept(NamedTuple):
+    score: float  # lockstep/LB under the truth of the best plan of the sweep
+    K: int        # its micro-batches per rank
+    cap: int      # the cap it was planned with
+
+
+def cap_sweep(batch: mp.Batch, dp: int, cap: int, costs: tuple, machine: mp.FlopsCost, points: int = CAP_POINTS) -> Swept:
+    """The best plan (under the truth) of plans balanced by ``costs`` at caps from the batch's longest
+    sample up to ``cap`` (a geometric grid of ``points``): a user who knows the kernel is dense and
+    lowers the cap until the step is fastest."""
+    longest = int(batch.seq_lens.max())
+    best = Swept(float("inf"), 0, cap)
+    for c in np.unique(np.geomspace(longest, cap, points).round().astype(np.int64)).tolist():
+        for cm in costs:
+            plan = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=int(c), cost=cm))
+            got = score(plan, machine)
+            if got < best.score:
+                best = Swept(got, plan.steps[0].micro_count, int(c))
+    return best
+
+
+def best_k(batch: mp.Batch, dp: int, cap: int, machine: mp.FlopsCost) -> float:
+    """The planner's own packing at EVERY K from the cap's lower bound to one sample per micro-batch,
+    planned and scored under the truth: the best K there is for the planner's packer (lockstep/LB)."""
+    from microplan.stages import fit
+    from microplan.stages.kchoice import step_time
+    from microplan.stages.pack import bins_lower_bound
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=machine)
+    plan = mp.plan(batch, cfg)
+    lens = np.asarray(batch.seq_lens)
+    costs = machine.sample_costs(lens)
+    n = lens.size
+    K0 = int(fit.min_micro_count(fit.cdiv(bins_lower_bound(lens, cap, None), dp), cfg))
+    times = [step_time(b, min(n, dp * K), dp, K, lens, costs, machine, "micro")
+             for K in range(K0, max(n // dp, K0) + 1)
+             if (b := fit._pack_at(lens, costs, min(n, dp * K), dp, K, cfg)) is not None]
+    chosen = plan.stats.steps[0].lockstep_time
+    return score(plan, machine) * min(min(times), chosen) / chosen
+
+
+def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
+             spec: tuple | None = None, noise: float = NOISE) -> dict:
+    """One run of WARMUP + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
+    ``TRUTHS[truth_name]``) with timing noise ``noise``."""
     max_len, cap, group = FAMILIES[family]
-    slow, over, packed = TRUTHS[truth_name]
-    machine = truth(slow, over, cap, packed=packed)
+    slow, over, packed = TRUTHS[truth_name] if spec is None else spec
+    machine = truth(slow, over, cap, packed=bool(packed))
+    if packed == "causal":  # the dense kernel's unmasked path for a lone sample: attention·L²
+        machine = replace(machine, quadratic=machine.packed_quadratic / 2)
     prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
     meter = mp.CostMeter(prior=prior)
     rng = np.random.default_rng(seed)
     spg = SPG[seed % len(SPG)]
     steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=WARMUP + SCORED, seed=seed)
     out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
-                     smaller_cap=[], K_metered=[], K_oracle=[])
+                     smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[])
     for s, batch in enumerate(steps):
         cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=meter.cost())
         plan = mp.plan(batch, cfg)
@@ -63,13 +119,15 @@ def run_case(family: str, dp: int, seed: int, truth_name: str) -> dict:
             out["K_metered"].append(plan.steps[0].micro_count)
             out["K_oracle"].append(oracle.steps[0].micro_count)
             if packed:
-                best = min(score(mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=max(cap // k, max_len),
-                                                              cost=prior)), machine)
-                           for k in range(1, 9) if cap // k >= int(batch.seq_lens.max()))
-                out["smaller_cap"].append(best)
-        for micro, t in measured_seconds(plan, machine, NOISE, rng):
+                sweep = cap_sweep(batch, dp, cap, (mp.TokenCost(), prior), machine)
+                out["smaller_cap"].append(sweep.score)
+                out["K_sweep"].append(sweep.K)
+                if all_k:
+                    out["all_k"].append(best_k(batch, dp, cap, machine))
+        for micro, t in measured_seconds(plan, machine, noise, rng):
             meter.record(micro, t)
     rep = meter.report()
+    out["prior_terms"] = list(rep.prior_terms)
     out["meter_error"] = rep.recent_median_error
     out["fit"] = rep.cost.to_dict()
     return out
@@ -93,13 +151,18 @@ def summarise(rows: list[dict]) -> list[dict]:
             sc = np.array(cell("smaller_cap"))
             s["smaller_cap"] = (float(np.median(sc)), float(sc.max()))
             s["vs_smaller_cap"] = (float(np.median(met / sc)), float((met / sc).max()))
+            s["K_sweep"] = float(np.median(cell("K_sweep")))
+        if cell("all_k"):
+            ak = np.array(cell("all_k"))
+            s["oracle_vs_all_k"] = (float(np.median(ora / ak)), float((ora / ak).max()))
         out.append(s)
     return out
 
 
 def format_table(summary: list[dict]) -> str:
     head = (f"{'family':<19}{'dp':>4}  {'truth':<9}{'metered':>16}{'oracle':>16}{'uncalibrated':>16}"
-            f"{'met-oracle':>18}{'K met/orc':>11}{'meter err':>10}{'best smaller cap':>18}{'met/best':>16}")
+            f"{'met-oracle':>18}{'K met/orc':>11}{'meter err':>10}{'best smaller cap':>18}{'met/best':>16}"
+            f"{'K sweep':>8}{'oracle/all-K':>16}")
     lines = [head, "-" * len(head)]
     f2 = lambda x: f"{x[0]:.4f}/{x[1]:.4f}"  # noqa: E731
     for s in summary:
@@ -107,13 +170,15 @@ def format_table(summary: list[dict]) -> str:
         vs = f2(s["vs_smaller_cap"]) if "vs_smaller_cap" in s else "-"
         lines.append(f"{s['family']:<19}{s['dp']:>4}  {s['truth']:<9}{f2(s['metered']):>16}{f2(s['oracle']):>16}"
                      f"{f2(s['uncal']):>16}{s['gap'][0]:>+9.4f}/{s['gap'][1]:+.4f}"
-                     f"{s['K_metered']:>6.0f}/{s['K_oracle']:<4.0f}{s['meter_error']:>10.1%}{sc:>18}{vs:>16}")
+                     f"{s['K_metered']:>6.0f}/{s['K_oracle']:<4.0f}{s['meter_error']:>10.1%}{sc:>18}{vs:>16}"
+                     f"{s.get('K_sweep', float('nan')):>8.0f}"
+                     f"{f2(s['oracle_vs_all_k']) if 'oracle_vs_all_k' in s else '-':>16}")
     return "\n".join(lines)
 
 
 def check_targets(summary: list[dict]) -> dict[str, bool]:
-    plain = [s for s in summary if s["truth"] != "dense-T2"]
-    dense = [s for s in summary if s["truth"] == "dense-T2"]
+    plain = [s for s in summary if not s["truth"].startswith("dense")]
+    dense = [s for s in summary if s["truth"].startswith("dense")]
     return {
         "metered lockstep/LB <= 1.003 median": all(s["metered"][0] <= 1.003 for s in plain),
         "metered lockstep/LB <= 1.01 worst": all(s["metered"][1] <= 1.01 for s in plain),
@@ -123,13 +188,63 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
     }
 
 
+GRID_ATTENTION, GRID_OVERHEAD, GRID_NOISE = (1.2, 2.0, 3.0), (0.0, 0.05, 0.10), (0.01, 0.05)
+
+
+def run_grid(seeds: range, families: list[str]) -> list[dict]:
+    """Issue 20 item 2: metered − oracle lockstep/LB per cell of a grid of varlen truths (attention
+    1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise)."""
+    cells = []
+    for fam in families:
+        for dp in (8, 32):
+            for a in GRID_ATTENTION:
+                for o in GRID_OVERHEAD:
+                    for nz in GRID_NOISE:
+                        rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz)
+                                for seed in seeds]
+                        gap = np.array([m - q for r in rows for m, q in zip(r["metered"], r["oracle"])])
+                        held = sorted({t for r in rows for t in r["prior_terms"]})
+                        cells.append(dict(family=fam, dp=dp, attention=a, overhead=o, noise=nz,
+                                          gap_median=float(np.median(gap)), gap_worst=float(gap.max()),
+                                          metered=float(np.median([m for r in rows for m in r["metered"]])),
+                                          prior_terms=held))
+    return cells
+
+
+def format_grid(cells: list[dict]) -> str:
+    lines = [f"{'family':<19}{'dp':>4}{'attn':>6}{'over':>6}{'noise':>7}{'met-oracle med/worst':>24}{'metered':>9}"
+             "  from the prior", "-" * 96]
+    for c in cells:
+        lines.append(f"{c['family']:<19}{c['dp']:>4}{c['attention']:>6.1f}{c['overhead']:>6.2f}{c['noise']:>7.2f}"
+                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['metered']:>9.4f}  "
+                     f"{', '.join(c['prior_terms']) or '-'}")
+    for nz in GRID_NOISE:
+        sub = [c for c in cells if c["noise"] == nz]
+        lines.append(f"noise {nz:.0%}: {sum(c['gap_median'] <= 0.002 for c in sub)}/{len(sub)} cells within 0.002 "
+                     f"(median); worst cell median {max(c['gap_median'] for c in sub):+.4f}, worst step "
+                     f"{max(c['gap_worst'] for c in sub):+.4f}")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="2 seeds instead of 6")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
+    ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     args = ap.parse_args(argv)
     seeds = range(2) if args.quick else range(6)
-    rows = [run_case(fam, dp, seed, tr) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
+    if args.grid:
+        cells = run_grid(seeds, args.families)
+        print(f"CostMeter vs oracle on a grid of varlen truths ({len(seeds)} seeds x {SCORED} scored steps after "
+              f"{WARMUP} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step)")
+        print(format_grid(cells))
+        result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                      warmup=WARMUP, scored=SCORED, cells=cells)
+        if not args.no_write:
+            print(f"wrote {save_json('meter-grid', result)}.json")
+        return result
+    rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
     summary = summarise(rows)
     print(f"lockstep / LB under the simulated truth (median/worst over {len(seeds)} seeds x {SCORED} scored steps, "
           f"after {WARMUP} warm-up steps; {NOISE:.0%} timing noise); prior: FlopsCost.from_hf_config(7B) default")

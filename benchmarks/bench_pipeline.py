@@ -61,6 +61,11 @@ def run_case(family: str, dp: int, seed: int, p: int, v: int, cost, scale: int =
     row = dict(family=family, dp=dp, seed=seed, p=p, v=v, scale=scale, K=step.micro_count,
                K_lb=plan.stats.steps[0].micro_count_lower_bound, time=ours,
                bubble=plan.stats.steps[0].pipeline_bubble)
+    # K by pipeline time: the first K tried is the K of least lockstep time (today's K before issue 20)
+    times = dict(step.choice.candidates) if step.choice is not None else {step.micro_count: ours}
+    k_flat = step.choice.candidates[0][0] if step.choice is not None else step.micro_count
+    row["K lockstep"] = k_flat
+    row["lockstep K"] = times[k_flat] / ours
     for name, order in _orders(grid.max(axis=0)).items():
         row[name] = step_pipeline_time(grid[:, order], cfg) / ours
     verl = plan_verl(np.asarray(batch.seq_lens), dp=dp, cap=cap, align=p if v > 1 else 1, min_num_micro_batch=p)
@@ -78,7 +83,8 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (fam, scale, p, v), rs in groups.items():
         s = dict(family=fam, scale=scale, p=p, v=v, cases=len(rs), K=float(np.median([r["K"] for r in rs])),
                  bubble=(float(np.median([r["bubble"] for r in rs])), max(r["bubble"] for r in rs)))
-        for name in (*ORDERS, "verl plan"):
+        s["K lockstep"] = float(np.median([r["K lockstep"] for r in rs]))
+        for name in (*ORDERS, "verl plan", "lockstep K"):
             vals = [r[name] for r in rs if np.isfinite(r[name])]
             s[name] = (float(np.median(vals)), min(vals), max(vals)) if vals else (float("nan"),) * 3
             s[name + " n/a"] = len(rs) - len(vals)
@@ -87,13 +93,14 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    head = (f"{'family':19s} {'step':>4s} {'p':>2s} {'v':>2s} {'K med':>6s} {'bubble med/worst':>17s}   "
-            + "   ".join(f"{n + ' med/min':>17s}" for n in (*ORDERS, "verl plan")))
+    head = (f"{'family':19s} {'step':>4s} {'p':>2s} {'v':>2s} {'K med':>6s} {'K lock':>6s} {'bubble med/worst':>17s}   "
+            + "   ".join(f"{n + ' med/min':>17s}" for n in (*ORDERS, "verl plan", "lockstep K")))
     lines = [head, "-" * len(head)]
     for s in summary:
         cells = "   ".join(f"{s[n][0]:8.4f}/{s[n][1]:.4f}" if np.isfinite(s[n][0]) else f"{'n/a':>17s}"
-                           for n in (*ORDERS, "verl plan"))
+                           for n in (*ORDERS, "verl plan", "lockstep K"))
         lines.append(f"{s['family']:19s} {'×' + str(s['scale']):>4s} {s['p']:2d} {s['v']:2d} {s['K']:6.1f} "
+                     f"{s['K lockstep']:6.1f} "
                      f"{s['bubble'][0]:8.3f}/{s['bubble'][1]:.3f}   {cells}")
     return "\n".join(lines)
 
@@ -115,6 +122,11 @@ def main(argv: list[str] | None = None) -> dict:
     worst = min(min(r[n] for n in ORDERS) for r in rows)
     print(f"\nmicroplan's order is never slower than {', '.join(ORDERS)}: min ratio {worst:.6f} "
           f"(target >= {TARGET}) over {len(rows)} cases")
+    flat = [r["lockstep K"] for r in rows]
+    best_p8 = max((s["lockstep K"][0], s["family"], s["scale"], s["v"]) for s in summary if s["p"] == 8)
+    print(f"K by pipeline time vs the K of least lockstep time (both in microplan's order): never slower "
+          f"(min ratio {min(flat):.6f}, target >= 1); best p=8 family median {best_p8[0]:.4f} ({best_p8[1]} "
+          f"×{best_p8[2]}, v={best_p8[3]}; target >= 1.05)")
     return record("pipeline", write=not args.no_write, quick=args.quick, cost=cost.to_dict(), dp=list(dps),
                   seeds=list(seeds), scales=SCALES, target=TARGET, summary=summary, rows=rows)
 

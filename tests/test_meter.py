@@ -206,3 +206,37 @@ def test_a_packed_tree_row_is_refused_by_micro_cost():
     packed = pack_micro(plan.rank(0)[0][0], toks)
     with pytest.raises(mp.PlanError, match="pass the plan's Micro"):
         mp.FlopsCost(linear=1.0, quadratic=1e-3).micro_cost(packed)
+
+
+@pytest.mark.parametrize("seconds", [1e200, 1e-200, 1e-300])
+def test_extreme_timings_fit_or_are_refused(seconds):
+    """Issue 17: record([3, 4], 1e200) then cost() raised LinAlgError. The fit runs in units of a
+    typical record (any magnitude a float holds fits), and a timing more than 1e9x away from the
+    records already held is refused with a PlanError naming it."""
+    meter = mp.CostMeter()
+    meter.record([3, 4], seconds)
+    fit = meter.cost()
+    assert np.isfinite(fit.micro_cost([3, 4])) and fit.micro_cost([3, 4]) == pytest.approx(seconds, rel=0.3)
+    meter.record([5, 2], seconds * 1.1)
+    assert meter.cost().micro_cost([5, 2]) == pytest.approx(seconds, rel=0.3)
+    with pytest.raises(mp.PlanError, match="1e\\+09x away"):
+        meter.record([3, 4], 1.0 if seconds < 1e-100 else 1e-100)
+    assert meter.num_records == 2
+
+
+def test_report_names_the_terms_the_records_do_not_identify():
+    """Issue 20: where the data cannot identify a term the fit stays at the prior, and report() says
+    so. Micro-batches all holding the same tokens cannot tell per_micro from linear (nor attention,
+    with one length); records that vary identify them."""
+    rng = np.random.default_rng(0)
+    flat = mp.CostMeter(prior=PRIOR)
+    for _ in range(40):
+        flat.record([4096, 4096], TRUTH.micro_cost([4096, 4096]) * (1 + 0.03 * rng.standard_normal()))
+    rep = flat.report()
+    assert "per_micro" in rep.prior_terms and "from the prior" in str(rep)
+    varied = mp.CostMeter(prior=PRIOR, noise=0.01)
+    for L in rng.integers(1, 16, 200):
+        m = [int(L) * 1024] * int(rng.integers(1, 4))
+        varied.record(m, TRUTH.micro_cost(m) * (1 + 0.01 * rng.standard_normal()))
+    assert varied.report().prior_terms == ()
+    assert "from the prior" not in str(varied.report())

@@ -174,6 +174,38 @@ def test_order_is_optimal_on_small_cases(p):
         assert got <= best * (1 + 1e-12)
 
 
+def test_order_at_k_2000_is_fast():
+    """Issue 17: ordering K = 2,000 micro-batches at p = 2 took 12 s (every skewed pyramid built by a
+    Python loop, then a neighbourhood of 10,000 orders built only to be refused by the budget).
+    Now O(1) constructions of O(K log K) each and the budget checked first: ~0.3 s on this machine
+    (the bound here is loose for a shared CI machine, still 6x under the old time); never slower
+    than the usual orders."""
+    import time
+    c = np.random.default_rng(0).lognormal(0.0, 0.5, 2000)
+    t = time.perf_counter()
+    order = pipeline_order(c, 2)
+    assert time.perf_counter() - t < 2.0
+    assert sorted(order.tolist()) == list(range(2000))
+    best = pipeline_time(c[order], 2).time
+    desc = np.argsort(-c, kind="stable")
+    for other in (desc, desc[::-1], verl_order(c)):
+        assert best <= pipeline_time(c[other], 2).time * (1 + 1e-12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 6), min_size=1, max_size=30), st.data())
+def test_skewed_pyramid_deals_both_slopes_in_proportion(costs, data):
+    """The vectorised dealing: a permutation with the heaviest at K−1−tail, ascending before it and
+    descending after (ties broken by index), and each slope's share of every prefix of the dealt
+    micro-batches proportional to its length."""
+    c = np.array(costs, dtype=float)
+    K = c.size
+    tail = data.draw(st.integers(0, K - 1))
+    o = skewed_pyramid(c, tail)
+    assert sorted(o.tolist()) == list(range(K)) and o[K - 1 - tail] == np.argsort(-c, kind="stable")[0]
+    assert np.all(np.diff(c[o[:K - tail]]) >= 0) and np.all(np.diff(c[o[K - 1 - tail:]]) <= 0)
+
+
 def test_split_costs_is_one_third_forward():
     f, b = split_costs(np.array([6.0, 12.0]), 2, 2.0)
     assert f.tolist() == [1.0, 2.0] and b.tolist() == [2.0, 4.0]
@@ -197,7 +229,10 @@ def test_k_is_at_least_the_stages(p):
 
 def test_pipeline_reorders_slots_only():
     batch = mp.Batch(_lens(400, 1))
-    base = mp.PlanConfig(dp_size=4, max_tokens_per_micro=16384, cost=mp.FlopsCost(linear=1.0, quadratic=1e-3))
+    # a large per_micro: more micro-batches never pay for their smaller bubble, so K is the flat plan's
+    # (K is chosen by pipeline time, test_k_by_pipeline_time) and only the order can differ
+    cost = mp.FlopsCost(linear=1.0, quadratic=1e-3, per_micro=1e6)
+    base = mp.PlanConfig(dp_size=4, max_tokens_per_micro=16384, cost=cost)
     flat, piped = mp.plan(batch, base), mp.plan(batch, replace(base, pipeline_stages=4))
     assert flat.steps[0].micro_count == piped.steps[0].micro_count >= 4
     cols = lambda plan: sorted(tuple(tuple(plan.steps[0].micros[r][m].indices.tolist()) for r in range(4))  # noqa: E731
@@ -210,12 +245,35 @@ def test_pipeline_reorders_slots_only():
         assert piped.stats.pipeline_time <= step_pipeline_time(grid[:, order], piped.config) * (1 + 1e-12)
 
 
+@pytest.mark.parametrize("p,v", [(4, 1), (8, 1), (8, 2)])
+def test_k_by_pipeline_time(p, v):
+    """Issue 20: with pipeline_stages, K is chosen by predicted pipeline time (bubble included), not
+    lockstep time: the K of least lockstep time is tried first and the K chosen is never predicted
+    slower; with a modest per_micro, more, smaller micro-batches shrink the bubble and win."""
+    batch = mp.Batch(_lens(512, 3))
+    cost = mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=300.0)
+    base = mp.PlanConfig(dp_size=4, max_tokens_per_micro=32768, cost=cost, align=p if v > 1 else 1)
+    flat = mp.plan(batch, base)
+    piped = mp.plan(batch, replace(base, pipeline_stages=p, virtual_stages=v))
+    piped.validate()
+    ch = piped.steps[0].choice
+    times = dict(ch.candidates)
+    K_flat = ch.candidates[0][0]
+    assert K_flat == max(flat.steps[0].micro_count, p)        # today's K (>= p), tried first
+    assert times[ch.micro_count] == min(times.values()) <= times[K_flat]
+    assert piped.stats.pipeline_time == pytest.approx(times[ch.micro_count], rel=1e-9)
+    assert ch.micro_count > K_flat and times[ch.micro_count] < 0.97 * times[K_flat]
+    assert ch.micro_count % base.align == 0 and "pipeline" in ch.reason
+
+
 def test_stats_pipeline_time_and_bubble():
     batch = mp.Batch(np.full(32, 100))
     plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=200, pipeline_stages=4))
-    # 16 micro-batches of 200 tokens per rank, cost 200 each: per stage f = 200/12, b = 2f
-    K, p, c = plan.steps[0].micro_count, 4, 200.0
-    assert K == 8 and plan.stats.lockstep_time == K * c
+    # no per_micro cost: K is chosen by pipeline time, so every sample gets its own micro-batch (16 per
+    # rank of 100 tokens, not 8 of 200: the bubble is (p - 1) slots of the micro-batch cost); f = c/12, b = 2f
+    K, p, c = plan.steps[0].micro_count, 4, 100.0
+    assert K == 16 and plan.stats.lockstep_time == K * c
+    assert plan.steps[0].choice.candidates[0][0] == 8  # the K of least lockstep time, tried first
     assert plan.stats.pipeline_time == pytest.approx((K + p - 1) * c / p)
     assert plan.stats.pipeline_bubble == pytest.approx(1 - K / (K + p - 1))
     flat = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=200))
@@ -227,8 +285,8 @@ def test_interleaved_plan_k_multiple_of_group():
     cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=10 ** 6, pipeline_stages=4, virtual_stages=2, align=4)
     plan = mp.plan(batch, cfg)
     plan.validate()
-    assert plan.steps[0].micro_count == 4
-    K = plan.steps[0].micro_count
+    K = plan.steps[0].micro_count  # chosen by pipeline time: a multiple of the group, >= p
+    assert K % 4 == 0 and K >= 4 and plan.steps[0].choice.candidates[0][0] == 4
     assert plan.stats.pipeline_time == pytest.approx(plan.stats.lockstep_time / 4 * (K + 3 / 2) / K, rel=0.3)
 
 
@@ -246,7 +304,10 @@ def test_bad_pipeline_config(kw, pattern):
 
 def test_validate_refuses_k_below_stages():
     batch = mp.Batch(_lens(40, 3))
-    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=10 ** 6, pipeline_stages=2))
+    # a large per_micro keeps K at p = 2 (K is chosen by pipeline time: without one, every sample alone)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=10 ** 6, pipeline_stages=2,
+                                        cost=mp.TokenCost(per_micro=1e9)))
+    assert plan.steps[0].micro_count == 2
     tampered = mp.Plan(batch=batch, config=replace(plan.config, pipeline_stages=4), steps=plan.steps,
                        dropped=plan.dropped, drop_reasons=plan.drop_reasons)
     with pytest.raises(mp.PlanError, match="fewer than pipeline_stages=4"):

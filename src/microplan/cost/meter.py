@@ -19,7 +19,11 @@ step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
 4. Likelihood. Records weigh 1/(σ·y) (relative timing noise σ, default 5 %) times an
    exponential decay by age (``half_life`` records), over a bounded window of the last
    ``window`` records — memory is O(window) whatever the run length.
-5. Solve the augmented nonnegative least squares exactly (``calibrate.nnls``).
+5. Solve the augmented nonnegative least squares exactly (``calibrate.nnls``), in units of a
+   typical record (any magnitude a float holds fits; a record more than ``MAX_SPREAD`` away from
+   the window's typical one is refused at ``record``; degenerate records keep the prior).
+6. Identifiability. A term whose posterior variance is still more than half its prior's is
+   named in ``MeterReport.prior_terms``: the records do not identify it, it stays at the prior.
 
 Drift: every record is also scored against the model the meter last handed out (the one the
 planner used), so :meth:`CostMeter.report` shows predicted-vs-measured error over the recent
@@ -51,6 +55,9 @@ _REL_WIDTH = np.array([0.3, 1.0, 1.0, 1.0])   # prior width, relative to the pri
 _FLOOR = 0.05                                  # a zero prior may still explain 5 % of a typical record
 _ATTN_WIDTH = 1.0                              # each attention term: ±100 %
 _REGIME_MARGIN = 0.05                          # the other regime must explain the records 5 % better
+_PRIOR_SHARE = 0.5                             # a term whose posterior variance is > 50 % of its prior's: "from the prior"
+MAX_SPREAD = 1e9                               # record(): refuse a timing this far from the window's typical one
+TERMS = ("linear", "quadratic", "packed_quadratic", "per_micro")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +75,9 @@ class MeterReport:
             the error of its *shape*.
         fit_median_error: the same for the current fit, in-sample over the window.
         scale: seconds per prior unit (e.g. per FLOP) the records imply.
+        prior_terms: the fit's terms the records do not identify — their posterior variance is
+            still more than half the prior's (e.g. ``per_micro`` when every micro-batch holds about
+            the same tokens, so it cannot be told from ``linear``) — left at the (rescaled) prior.
     """
 
     num_records: int
@@ -77,13 +87,16 @@ class MeterReport:
     recent_max_error: float | None
     fit_median_error: float | None
     scale: float | None
+    prior_terms: tuple[str, ...] = ()
 
     def __str__(self) -> str:
         rec = "n/a" if self.recent_median_error is None else \
             f"{self.recent_median_error:.1%} median, {self.recent_max_error:.1%} worst"
         fit = "n/a" if self.fit_median_error is None else f"{self.fit_median_error:.1%}"
+        held = (f"; from the prior (the records do not identify them): {', '.join(self.prior_terms)}"
+                if self.prior_terms else "")
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
-                f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}")
+                f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}")
 
 
 def _errors(pairs: list[tuple[float, float]], scale_free: bool) -> np.ndarray:
@@ -154,6 +167,7 @@ class CostMeter:
         self._last_prior = False
         self._fit: CostModel | None = None
         self._scale: float | None = None
+        self._prior_terms: tuple[str, ...] = ()
         self.num_records = 0
 
     # -- recording ------------------------------------------------------------------------------
@@ -175,6 +189,13 @@ class CostMeter:
         if not np.all(np.isfinite(L)) or L.min() < 1:
             raise PlanError("CostMeter.record: sample lengths must be finite and >= 1.")
         s = float_field("CostMeter.record(seconds)", seconds, positive=True)
+        if self._y:
+            typical = float(np.exp(np.median(np.log(np.asarray(self._y)))))
+            if not typical / MAX_SPREAD <= s <= typical * MAX_SPREAD:
+                raise PlanError(f"CostMeter.record(seconds={s!r}) is more than {MAX_SPREAD:g}x away from the "
+                                f"{len(self._y)} records the meter holds (typically {typical:.4g}): no micro-batch "
+                                "runs that much faster or slower; pass the micro-batch's wall-clock seconds in the "
+                                "same unit as before (not a sentinel), or start a new CostMeter for another machine.")
         what = seq_lens if getattr(seq_lens, "tree", None) is not None else L  # a tree Micro: its trie's work
         per_gpu = np.array([1.0 / c, 1.0 / c, 1.0 / c, 1.0])                     # each GPU of a CP group
         x = micro_features(what) * per_gpu                                        # varlen features
@@ -217,7 +238,8 @@ class CostMeter:
         return MeterReport(num_records=self.num_records, window_records=len(self._y), cost=fit,
                            recent_median_error=float(np.median(errs)) if errs.size else None,
                            recent_max_error=float(np.max(errs)) if errs.size else None,
-                           fit_median_error=fit_err, scale=self._scale)
+                           fit_median_error=fit_err, scale=self._scale,
+                           prior_terms=self._prior_terms if self._y else ())
 
     def _current(self) -> CostModel:
         if not self._y:
@@ -228,6 +250,8 @@ class CostMeter:
 
     def _solve(self) -> FlopsCost:
         XX, y = np.array(self._x), np.array(self._y)
+        unit = float(np.median(y))  # solve in units of a typical record: seconds of any magnitude stay well scaled
+        y = y / unit
         m = y.size
         age = np.arange(m - 1, -1, -1, dtype=np.float64)
         decay = np.ones(m) if self.half_life is None else 0.5 ** (age / self.half_life)
@@ -236,27 +260,39 @@ class CostMeter:
         prior_dense = t0[2] > 0
         base = XX[:, 4:] @ t0 if prior_dense else XX[:, :4] @ t0
         s = float(np.sum(w * w * base * y) / np.sum(w * w * base * base))
-        self._scale = s
+        self._scale = s * unit
         # one prior per regime: the lone-sample attention is the same physical term in both; a dense
         # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise
         mu_var = s * np.array([t0[0], t0[1], 0.0, t0[3]])
         mu_den = s * np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
-        fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)), self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
-        (theta_v, ss_v), (theta_d, ss_d) = fits
-        # the dense regime only when the records say so clearly (and it keeps a packed term)
-        if prior_dense:
-            use_dense = not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0
-        else:
-            use_dense = ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0
-        theta = theta_d if use_dense else theta_v
+        theta, held, use_dense, _ = self._regimes(XX, y, w, mu_var, mu_den, prior_dense)
         if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
-            theta = mu_den if use_dense else mu_var
+            theta, held = (mu_den if use_dense else mu_var), tuple(TERMS)
+        self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
+        theta = theta * unit
         return FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
                          per_micro=float(theta[3]))
 
+    def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
+                 prior_dense: bool) -> tuple[np.ndarray, tuple[str, ...], bool, float]:
+        """Both regimes' MAP fits and the one kept: (θ, terms left at the prior, dense?, residual)."""
+        try:
+            fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
+                    self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
+        except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
+            fits = [(mu_var, np.inf, TERMS), (mu_den, np.inf, TERMS)]
+        (theta_v, ss_v, held_v), (theta_d, ss_d, held_d) = fits
+        # the dense regime only when the records say so clearly (and it keeps a packed term)
+        if prior_dense:
+            use_dense = bool(not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0)
+        else:
+            use_dense = bool(ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0)
+        return (theta_d, held_d, True, ss_d) if use_dense else (theta_v, held_v, False, ss_v)
+
     def _map(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, mu: np.ndarray,
-             free: tuple[int, ...]) -> tuple[np.ndarray, float]:
-        """MAP fit over the coefficients ``free`` (others 0) and its weighted data residual."""
+             free: tuple[int, ...]) -> tuple[np.ndarray, float, tuple[str, ...]]:
+        """MAP fit over the coefficients ``free`` (others 0), its weighted data residual, and the
+        terms the records leave at the prior (posterior variance > ``_PRIOR_SHARE`` of the prior's)."""
         typical = np.maximum(np.median(X, axis=0), X.mean(axis=0))
         with np.errstate(divide="ignore"):
             floor = np.where(typical > 0, _FLOOR * float(np.median(y)) / typical, 0.0)  # 0: no data on that term
@@ -276,11 +312,16 @@ class CostMeter:
         A = np.vstack(rows)
         b = np.concatenate(rhs)
         norms = np.linalg.norm(A, axis=0)
-        sol = nnls(A / norms, b) / norms
+        An = A / norms
+        sol = nnls(An, b) / norms
         theta = np.zeros(4)
         theta[cols] = sol
         r = (X @ theta - y) * w
-        return theta, float(r @ r)
+        # posterior variance of each term (Gaussian, ignoring θ >= 0) against its prior variance τ²
+        post = np.diag(np.linalg.pinv(An.T @ An)) / norms ** 2
+        share = post / np.array([tau[j] for j in cols]) ** 2
+        held = tuple(TERMS[j] for j, f in zip(cols, share) if f > _PRIOR_SHARE)
+        return theta, float(r @ r), held
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"

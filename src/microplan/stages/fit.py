@@ -33,11 +33,12 @@ from ..errors import PlanError
 from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange
-from .kchoice import KChoice, choose_k, packed_slope, step_time, time_lower_bounds
+from .kchoice import KChoice, choose_k, choose_k_pipeline, packed_slope, step_time, time_lower_bounds
 from .layout import StepLayout
 from .lockstep import refine_lockstep
 from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .padded import PaddedSamples, pack_padded
+from .pipeline import slot_order, step_pipeline_time
 from .refine import refine_bins
 
 __all__ = ["StepFit", "fit_step", "effective_cap", "slot_targets", "fill_targets", "min_micro_count", "pack_at",
@@ -107,7 +108,32 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
                                                   cost=cost, cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro"),
         pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra),  # m == n: one sample per bin
         time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
+    if cfg.pipeline_stages > 1 and k_hi > K:  # the bubble: more, smaller micro-batches may be faster
+        K, bin_of, choice = choose_k_pipeline(
+            K, k_hi, a, K0=K0, sync=cfg.sync,
+            lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
+                                                      cost=cost) / cfg.pipeline_stages,  # a stage's share of the work
+            pack=lambda k: bin_of if k == K else _pack_at(lens, costs, min(n, D * k), D, k, cfg, extra),
+            time=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg, search=False),
+            exact=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg))
     return _Packing(bin_of, min(n, D * K), K, choice)
+
+
+def _pipeline_time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, *,
+                   search: bool = True) -> float:
+    """Predicted pipeline time of a packing: slots arranged as the planner does, then put in the
+    pipeline order the planner will use (``pipeline.pipeline_order``; ``search=False``: its best
+    construction, an upper bound), bubble included."""
+    cost, D = cfg.cost, cfg.dp_size
+    assert cost is not None
+    nb = D * K
+    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
+                   np.bincount(bin_of, minlength=nb))
+    if cfg.static_cp_size > 1:
+        mc = (mc - cost.per_micro) / cfg.static_cp_size + cost.per_micro
+    grid = mc[arrange(mc, D, K)]
+    order = slot_order(grid, cfg, search=search)
+    return step_pipeline_time(grid[:, order], cfg)
 
 
 def _padded_k0(ps: PaddedSamples, cfg: PlanConfig) -> int:
