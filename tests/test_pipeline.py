@@ -269,15 +269,21 @@ def test_k_by_pipeline_time(p, v):
 def test_stats_pipeline_time_and_bubble():
     batch = mp.Batch(np.full(32, 100))
     plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=200, pipeline_stages=4))
-    # no per_micro cost: K is chosen by pipeline time, so every sample gets its own micro-batch (16 per
-    # rank of 100 tokens, not 8 of 200: the bubble is (p - 1) slots of the micro-batch cost); f = c/12, b = 2f
-    K, p, c = plan.steps[0].micro_count, 4, 100.0
-    assert K == 16 and plan.stats.lockstep_time == K * c
-    assert plan.steps[0].choice.candidates[0][0] == 8  # the K of least lockstep time, tried first
+    # no per_micro cost: a smaller micro-batch would look free, so K stays at the lockstep K (8 per
+    # rank of 200 tokens); f = c/12, b = 2f
+    K, p, c = plan.steps[0].micro_count, 4, 200.0
+    assert K == 8 and plan.stats.lockstep_time == K * c
     assert plan.stats.pipeline_time == pytest.approx((K + p - 1) * c / p)
     assert plan.stats.pipeline_bubble == pytest.approx(1 - K / (K + p - 1))
     flat = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=200))
     assert flat.stats.pipeline_time == flat.stats.predicted_time and flat.stats.pipeline_bubble == 0.0
+    # a priced per-micro overhead: K chosen by pipeline time (bubble included), the lockstep K tried first
+    priced = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=200, pipeline_stages=4,
+                                          cost=mp.TokenCost(per_micro=5.0)))
+    ch = priced.steps[0].choice
+    assert ch.candidates[0][0] == 8 and priced.steps[0].micro_count == 16
+    best = min(t for _, t in ch.candidates)
+    assert priced.stats.pipeline_time == pytest.approx(best) and best < ch.candidates[0][1]
 
 
 def test_interleaved_plan_k_multiple_of_group():

@@ -108,7 +108,9 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
                                                   cost=cost, cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro"),
         pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra),  # m == n: one sample per bin
         time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
-    if cfg.pipeline_stages > 1 and k_hi > K:  # the bubble: more, smaller micro-batches may be faster
+    # the bubble: more, smaller micro-batches may be faster — searched only when the cost prices a
+    # micro-batch's fixed overhead (per_micro > 0); without it every sample alone would look free
+    if cfg.pipeline_stages > 1 and k_hi > K and float(cost.per_micro) > 0:
         K, bin_of, choice = choose_k_pipeline(
             K, k_hi, a, K0=K0, sync=cfg.sync,
             lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
