@@ -105,6 +105,17 @@ def test_set_tries_deep_chain_and_repeats():
     assert one.tokens.tolist() == [lens[-1]] and one.depth_sq.tolist() == [lens[-1] ** 2]
     lone = set_tries(parent, shared, lens, np.arange(n), np.arange(n), n, multiple=2)
     assert lone.tokens.tolist() == [padded(micro_tree(parent, shared, lens, [i]), 2) for i in range(n)]
+    rng = np.random.default_rng(0)   # deep sets with members far apart: lone climbs jump between members
+    ep_, sh_, ln_ = forest(rng, 400, "edited")
+    for par_, shr_, lns_ in ((parent, shared, lens), (ep_, sh_, ln_)):
+        size = par_.size
+        mem = rng.integers(0, size, 300)
+        sets = rng.integers(0, 12, 300)
+        for mult in (1, 8):
+            got = set_tries(par_, shr_, lns_, mem, sets, 12, multiple=mult)
+            for k in range(12):
+                t = micro_tree(par_, shr_, lns_, mem[sets == k])
+                assert (got.tokens[k], got.depth_sq[k]) == (padded(t, mult), t.depth_sq)
     rep = set_tries(parent, shared, lens, [5, 5, 9, 5], [0, 0, 0, 1], 2)
     assert rep.tokens.tolist() == [lens[9], lens[5]]
     g = np.arange(4096)

@@ -33,6 +33,7 @@ every part holds <= limit tokens whenever each sample's padded path fits). Measu
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -136,12 +137,11 @@ def set_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members:
     cuts = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
     inject = {int(d[lo]): (lo, hi) for lo, hi in zip([0] + cuts, cuts + [d.size])}
     small = n <= 8 * key.size          # plain-list copies of the forest pay off
+    jumps = _Jumps(ep, shared, key // n, d) if m == 1 else None
     key_l: list[int] | None = None
     pend_np: dict[int, list] = {}            # level -> [(keys, needs)] arrays (from wide levels)
     pend_py: dict[int, dict[int, int]] = {}  # level -> {key: need} (from narrow levels)
-    out_s: list = []      # per visited (set, owner): set, padded tokens, need² − start²
-    out_t: list = []
-    out_d: list = []
+    out: tuple[list, list, list] = ([], [], [])   # per (set, owner): set, padded tokens, need² − start²
     py: tuple[list[int], list[int], list[int]] = ([], [], [])
     look: _Look | None = None
     for lvl in range(int(d[0]), -1, -1):
@@ -151,26 +151,25 @@ def set_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members:
         size = hi - lo + sum(len(c[0]) for c in chunks) + (len(cur) if cur else 0)
         if size == 0:
             continue
-        if size <= _NARROW:   # plain Python: a dict of needs, pushes merged into the next level's dict
+        if size <= _NARROW:   # plain Python: a dict of needs, pushes merged into later levels' dicts
             if hi > lo:
                 if key_l is None:
                     key_l, need_l = key.tolist(), need0.tolist()
                 chunks.append((key_l[lo:hi], need_l[lo:hi]))
             look = look or _Look(ep, start, shared, small)
-            pend_py[lvl - 1] = _narrow_level(cur or {}, chunks, n, m, look, py)
+            _narrow_level(cur or {}, chunks, n, m, lvl, look, jumps, pend_py, py)
             continue
         if cur:
             chunks.append((np.fromiter(cur.keys(), np.int64, len(cur)), np.fromiter(cur.values(), np.int64, len(cur))))
         if hi > lo:
             chunks.append((key[lo:hi], need0[lo:hi]))
-        push = _wide_level(chunks, n, m, ep, start, shared, (out_s, out_t, out_d))
-        if push is not None:
-            pend_np.setdefault(lvl - 1, []).append(push)
-    py_s, py_t, py_d = py
-    if py_s:
-        out_s.append(np.array(py_s, dtype=np.int64))
-        out_t.append(np.array(py_t, dtype=np.int64))
-        out_d.append(np.array(py_d, dtype=np.int64))
+        for t, k, r in _wide_level(chunks, n, m, lvl, jumps, ep, start, shared, out):
+            pend_np.setdefault(t, []).append((k, r))
+    out_s, out_t, out_d = out
+    if py[0]:
+        out_s.append(np.array(py[0], dtype=np.int64))
+        out_t.append(np.array(py[1], dtype=np.int64))
+        out_d.append(np.array(py[2], dtype=np.int64))
     if out_s:
         s_all = np.concatenate(out_s)
         tokens += _int_bincount(s_all, np.concatenate(out_t), num_sets)
@@ -190,10 +189,76 @@ class _Look:
         return (ep[a], st[a], sh[a]) if self.as_lists else (int(ep[a]), int(st[a]), int(sh[a]))
 
 
-def _narrow_level(cur: dict[int, int], chunks: list, n: int, m: int, look: _Look,
-                  out: tuple[list[int], list[int], list[int]]) -> dict[int, int]:
+class _Jumps:
+    """Multiple 1: a set whose climb is down to ONE (node a, need r) pair covers exactly positions
+    [0, r) of a's root path, once each. So with no member of the set above, it is done in closed
+    form (r tokens, r² work); and up to the level t of its next member it adds positions
+    [r_u, r), r_u = min(r, least shared on the way), and goes on from a's ancestor u at level t.
+    Ancestors and least shared lengths by binary lifting (tables built on first use)."""
+
+    def __init__(self, ep: np.ndarray, shared: np.ndarray, sets: np.ndarray, d: np.ndarray) -> None:
+        self.ep, self.shared = ep, shared
+        self.span = int(d.max()) + 2
+        self.levels = _distinct(sets * self.span + d)     # (set, member level), sorted
+        self.levels_l: list[int] | None = None
+        self.anc: list[np.ndarray] = []
+        self.mn: list[np.ndarray] = []
+
+    def next_level(self, sets: np.ndarray, lvl: int) -> np.ndarray:
+        """Per set, the deepest level < lvl holding one of its members, or -1."""
+        q = sets * self.span + lvl
+        i = np.searchsorted(self.levels, q) - 1
+        ok = i >= 0
+        v = self.levels[np.maximum(i, 0)]
+        return np.where(ok & (v // self.span == sets), v % self.span, -1)
+
+    def next_level1(self, sset: int, lvl: int) -> int:
+        if self.levels_l is None:
+            self.levels_l = self.levels.tolist()
+        i = bisect_left(self.levels_l, sset * self.span + lvl) - 1
+        if i < 0:
+            return -1
+        v = self.levels_l[i]
+        return v % self.span if v // self.span == sset else -1
+
+    def _tables(self, steps: int) -> None:
+        if not self.anc:
+            self.anc, self.mn = [self.ep], [np.where(self.ep >= 0, self.shared, 0)]
+        while (1 << len(self.anc)) <= steps:
+            a, m = self.anc[-1], self.mn[-1]
+            up = a[np.maximum(a, 0)]
+            self.anc.append(np.where(a >= 0, up, -1))
+            self.mn.append(np.where(a >= 0, np.minimum(m, m[np.maximum(a, 0)]), m))
+
+    def up(self, x: np.ndarray, steps: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(ancestor ``steps`` levels up, least shared length of the nodes climbed from)."""
+        self._tables(int(steps.max()))
+        x = x.copy()
+        least = np.full(x.size, np.iinfo(np.int64).max, dtype=np.int64)
+        for k in range(len(self.anc)):
+            sel = np.flatnonzero((steps >> k) & 1)
+            if sel.size:
+                least[sel] = np.minimum(least[sel], self.mn[k][x[sel]])
+                x[sel] = self.anc[k][x[sel]]
+        return x, least
+
+    def up1(self, x: int, steps: int) -> tuple[int, int]:
+        self._tables(steps)
+        least = 1 << 62
+        k = 0
+        while steps:
+            if steps & 1:
+                least = min(least, int(self.mn[k][x]))
+                x = int(self.anc[k][x])
+            steps >>= 1
+            k += 1
+        return x, least
+
+
+def _narrow_level(cur: dict[int, int], chunks: list, n: int, m: int, lvl: int, look: _Look, jumps: _Jumps | None,
+                  pend: dict[int, dict[int, int]], out: tuple[list[int], list[int], list[int]]) -> None:
     """One narrow level in plain Python: the max need per (set, node) key, its segment (appended
-    to ``out``), and the next level's needs pushed up."""
+    to ``out``), the needs pushed up into ``pend`` (a lone pair of a set jumps, ``_Jumps``)."""
     for ks, rs in chunks:
         ks = ks if isinstance(ks, list) else ks.tolist()
         rs = rs if isinstance(rs, list) else rs.tolist()
@@ -201,9 +266,28 @@ def _narrow_level(cur: dict[int, int], chunks: list, n: int, m: int, look: _Look
             if r > cur.get(k, 0):
                 cur[k] = r
     out_s, out_t, out_d = out
-    nxt: dict[int, int] = {}
+    per: dict[int, int] = {}
+    if jumps is not None:
+        for k in cur:
+            per[k // n] = per.get(k // n, 0) + 1
     for k, r in cur.items():
         sset, a = divmod(k, n)
+        if per.get(sset) == 1:
+            t = jumps.next_level1(sset, lvl)  # type: ignore[union-attr]
+            if t < lvl - 1:
+                ru = 0
+                if t >= 0:
+                    u, least = jumps.up1(a, lvl - t)  # type: ignore[union-attr]
+                    ru = min(r, least)
+                out_s.append(sset)
+                out_t.append(r - ru)
+                out_d.append(r * r - ru * ru)
+                if ru > 0:
+                    nxt = pend.setdefault(t, {})
+                    ku = sset * n + u
+                    if ru > nxt.get(ku, 0):
+                        nxt[ku] = ru
+                continue
         p, st, sh = look(a)
         if r > st:
             out_s.append(sset)
@@ -212,21 +296,49 @@ def _narrow_level(cur: dict[int, int], chunks: list, n: int, m: int, look: _Look
         if p >= 0 and sh > 0:
             up = min(r, sh)
             kp = sset * n + p
+            nxt = pend.setdefault(lvl - 1, {})
             if up > nxt.get(kp, 0):
                 nxt[kp] = up
-    return nxt
 
 
-def _wide_level(chunks: list, n: int, m: int, ep: np.ndarray, start: np.ndarray, shared: np.ndarray,
-                out: tuple[list, list, list]) -> tuple[np.ndarray, np.ndarray] | None:
-    """One wide level in numpy: sort the keys, max need per key, segments, pushes (or None)."""
+def _wide_level(chunks: list, n: int, m: int, lvl: int, jumps: _Jumps | None, ep: np.ndarray, start: np.ndarray,
+                shared: np.ndarray, out: tuple[list, list, list]) -> list[tuple[int, np.ndarray, np.ndarray]]:
+    """One wide level in numpy: sort the keys, max need per key, segments, and the pushes as
+    (level, keys, needs); lone pairs of a set jump (``_Jumps``)."""
     k = np.concatenate([np.asarray(c[0], dtype=np.int64) for c in chunks])
     r = np.concatenate([np.asarray(c[1], dtype=np.int64) for c in chunks])
-    if len(chunks) > 1 or k.size > 1:   # pushes repeat keys (siblings in one set)
+    if k.size > 1:   # pushes repeat keys (siblings in one set)
         o = np.argsort(k, kind="stable")
         k, r = k[o], r[o]
         first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
         k, r = k[first], np.maximum.reduceat(r, first)
+    pushes: list[tuple[int, np.ndarray, np.ndarray]] = []
+    if jumps is not None:   # keys are sorted, so a set's pairs are adjacent
+        sets = k // n
+        heads = np.flatnonzero(np.concatenate([[True], sets[1:] != sets[:-1], [True]]))
+        lone = np.flatnonzero(np.repeat(np.diff(heads) == 1, np.diff(heads)))
+        t = jumps.next_level(sets[lone], lvl)
+        go = t < lvl - 1
+        if go.any():
+            j, t = lone[go], t[go]
+            ru = np.zeros(j.size, dtype=np.int64)
+            cont = np.flatnonzero(t >= 0)
+            if cont.size:
+                u, least = jumps.up(k[j[cont]] % n, lvl - t[cont])
+                ru[cont] = np.minimum(r[j[cont]], least)
+                live = ru[cont] > 0
+                for tt in np.unique(t[cont][live]).tolist():
+                    w = cont[live][t[cont][live] == tt]
+                    pushes.append((tt, sets[j[w]] * n + u[live][t[cont][live] == tt], ru[w]))
+            rj = r[j]
+            out[0].append(sets[j])
+            out[1].append(rj - ru)
+            out[2].append(rj * rj - ru * ru)
+            keep = np.ones(k.size, dtype=bool)
+            keep[j] = False
+            k, r = k[keep], r[keep]
+            if k.size == 0:
+                return pushes
     nd = k % n
     st = start[nd]
     seg = r - st
@@ -236,8 +348,10 @@ def _wide_level(chunks: list, n: int, m: int, ep: np.ndarray, start: np.ndarray,
     out[2].append(r[own] * r[own] - st[own] * st[own])
     p = ep[nd]
     up = np.minimum(r, shared[nd])
-    go = (p >= 0) & (up > 0)
-    return ((k[go] // n) * n + p[go], up[go]) if go.any() else None
+    go2 = (p >= 0) & (up > 0)
+    if go2.any():
+        pushes.append((lvl - 1, (k[go2] // n) * n + p[go2], up[go2]))
+    return pushes
 
 
 def _int_bincount(idx: np.ndarray, w: np.ndarray, size: int) -> np.ndarray:
