@@ -16,7 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from microplan.prefix import dfs_order, micro_tree, sample_forest
-from microplan.trie import cut_trees, forest_depths, set_tries
+from microplan.trie import cut_trees, forest_depths, micro_trees, set_tries
 
 SHAPES = ("grpo", "append", "edited", "branching", "mixed")
 
@@ -94,6 +94,21 @@ def test_set_tries_match_micro_tree_per_set(data, num_sets, multiple, density):
             assert got.tokens[k] == t.num_tokens
 
 
+@given(data=forests(max_n=60), num_sets=st.integers(1, 6), density=st.sampled_from([0.05, 0.3, 1.0]))
+def test_micro_trees_equal_micro_tree_per_set(data, num_sets, density):
+    rng, (parent, shared, lens) = data
+    n = parent.size
+    members = np.flatnonzero(rng.random(n * num_sets) < density)
+    set_of, members = members // n, members % n
+    got = micro_trees(parent, shared, lens, members, set_of, num_sets)
+    assert len(got) == num_sets
+    for k in range(num_sets):
+        want = micro_tree(parent, shared, lens, members[set_of == k])
+        assert got[k] == want
+        for f in ("owners", "parent", "start", "end", "members", "anchor"):
+            assert getattr(got[k], f).dtype == np.int64
+
+
 def test_set_tries_deep_chain_and_repeats():
     """A chain far deeper than the narrow-level threshold, as one set, as one-sample sets, and with
     repeated (set, member) pairs; wide GRPO levels take the numpy path."""
@@ -113,9 +128,11 @@ def test_set_tries_deep_chain_and_repeats():
         sets = rng.integers(0, 12, 300)
         for mult in (1, 8):
             got = set_tries(par_, shr_, lns_, mem, sets, 12, multiple=mult)
+            trees = micro_trees(par_, shr_, lns_, mem, sets, 12)
             for k in range(12):
                 t = micro_tree(par_, shr_, lns_, mem[sets == k])
                 assert (got.tokens[k], got.depth_sq[k]) == (padded(t, mult), t.depth_sq)
+                assert trees[k] == t
     rep = set_tries(parent, shared, lens, [5, 5, 9, 5], [0, 0, 0, 1], 2)
     assert rep.tokens.tolist() == [lens[9], lens[5]]
     g = np.arange(4096)
