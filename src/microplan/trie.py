@@ -119,14 +119,21 @@ def set_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members:
             return TrieSets(tokens, dsq.astype(np.float64))
     if depth is None:
         depth = forest_depths(parent, shared)
+    lift = _Jumps(ep, shared)
+    if m == 1:
+        key = _path_sets(key, n, lens, depth, lift, tokens, dsq)
+        if key.size == 0:
+            return TrieSets(tokens, dsq.astype(np.float64))
     d = depth[key % n]
     order = np.argsort(-d, kind="stable")
     key, d = key[order], d[order]
     need0 = lens[key % n]
+    if m == 1:
+        lift.members(key // n, d)
     cuts = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
     inject = {int(d[lo]): (lo, hi) for lo, hi in zip([0] + cuts, cuts + [d.size])}
     small = n <= 8 * key.size          # plain-list copies of the forest pay off
-    jumps = _Jumps(ep, shared, key // n, d) if m == 1 else None
+    jumps = lift if m == 1 else None
     key_l: list[int] | None = None
     pend_np: dict[int, list] = {}            # level -> [(keys, needs)] arrays (from wide levels)
     pend_py: dict[int, dict[int, int]] = {}  # level -> {key: need} (from narrow levels)
@@ -185,13 +192,16 @@ class _Jumps:
     [r_u, r), r_u = min(r, least shared on the way), and goes on from a's ancestor u at level t.
     Ancestors and least shared lengths by binary lifting (tables built on first use)."""
 
-    def __init__(self, ep: np.ndarray, shared: np.ndarray, sets: np.ndarray, d: np.ndarray) -> None:
+    def __init__(self, ep: np.ndarray, shared: np.ndarray) -> None:
         self.ep, self.shared = ep, shared
+        self.anc: list[np.ndarray] = []
+        self.mn: list[np.ndarray] = []
+
+    def members(self, sets: np.ndarray, d: np.ndarray) -> None:
+        """Where the sets' members are: (set, level) pairs."""
         self.span = int(d.max()) + 2
         self.levels = _distinct(sets * self.span + d)     # (set, member level), sorted
         self.levels_l: list[int] | None = None
-        self.anc: list[np.ndarray] = []
-        self.mn: list[np.ndarray] = []
 
     def next_level(self, sets: np.ndarray, lvl: int) -> np.ndarray:
         """Per set, the deepest level < lvl holding one of its members, or -1."""
@@ -242,6 +252,43 @@ class _Jumps:
             steps >>= 1
             k += 1
         return x, least
+
+
+def _path_sets(key: np.ndarray, n: int, lens: np.ndarray, depth: np.ndarray, lift: _Jumps, tokens: np.ndarray,
+               dsq: np.ndarray) -> np.ndarray:
+    """Multiple 1: sets whose members all lie on one root path (a chain's micro-batch) in closed
+    form, Σ L − Σ lcp over members by depth (consecutive ones: an ancestor x of y shares
+    lcp = min(L_x, L_y, least shared from y up to x)), and the same with squares; ordering by
+    depth is a trie order here (a token of x that z below y holds, y holds too). Returns the
+    keys of the other sets. O(members log depth) numpy."""
+    sets, nodes = key // n, key % n
+    dd = depth[nodes]
+    o = np.lexsort((dd, sets))
+    sets, nodes, dd = sets[o], nodes[o], dd[o]
+    pair = np.flatnonzero(sets[1:] == sets[:-1])
+    if pair.size == 0:
+        return key
+    x, y = nodes[pair], nodes[pair + 1]
+    steps = dd[pair + 1] - dd[pair]
+    on = np.flatnonzero(steps > 0)
+    anc = np.zeros(pair.size, dtype=bool)
+    lcp = np.zeros(pair.size, dtype=np.int64)
+    if on.size:
+        u, least = lift.up(y[on], steps[on])
+        anc[on] = u == x[on]
+        lcp[on] = np.minimum(np.minimum(lens[x[on]], lens[y[on]]), least)
+    bad = np.zeros(tokens.size, dtype=bool)
+    bad[sets[pair[~anc]]] = True
+    done = ~bad[sets]
+    if not done.any():
+        return key
+    L = lens[nodes[done]]
+    np.add.at(tokens, sets[done], L)
+    np.add.at(dsq, sets[done], L * L)
+    ok = anc & done[pair]
+    np.subtract.at(tokens, sets[pair[ok]], lcp[ok])
+    np.subtract.at(dsq, sets[pair[ok]], lcp[ok] * lcp[ok])
+    return key[bad[key // n]]
 
 
 def _narrow_level(cur: dict[int, int], chunks: list, n: int, m: int, lvl: int, look: _Look, jumps: _Jumps | None,
