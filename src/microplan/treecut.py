@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .trie import _distinct, _i64, _links, set_tries
+from .trie import _distinct, _i64, _links, _unique_inverse, set_tries
 
 __all__ = ["TreeCut", "cut_trees"]
 
@@ -283,7 +283,7 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
     ab = _above(ep, shared, is_member)
     near, root = ab.near[uniq], ab.root[uniq]
     sw = np.where(near >= 0, ab.sw[uniq], 0)
-    roots, tree = np.unique(root, return_inverse=True)
+    roots, tree = _unique_inverse(root)
     # share._subtree_tokens of each root: Σ over the tree of L − (tokens shared with the nearest member above)
     est = np.bincount(tree, weights=lens[uniq] - sw, minlength=roots.size).astype(np.int64)
     if m == 1:   # share._atoms keeps a tree whole when its (conservative) size fits
@@ -304,7 +304,7 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
     big = np.flatnonzero(~whole & ~star)
     if big.size:
         cutter = _Cutter(ep, start, shared, lens, m, limit)
-        sel = np.flatnonzero(np.isin(tree, big))          # members of the trees to cut, ascending
+        sel = np.flatnonzero((~whole & ~star)[tree])        # members of the trees to cut, ascending
         children: dict[int, list[int]] = {}
         for x, a in zip(uniq[sel].tolist(), near[sel].tolist()):
             if a >= 0:
@@ -335,7 +335,7 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
     if star.any():   # star parts: one trie count for all; first = least member (root, then children in order)
         sm = np.flatnonzero(star[tree])
         cnt = set_tries(parent, shared, lens, uniq[sm], atom_u[sm], A)
-        at = np.unique(atom_u[sm])
+        at = _distinct(atom_u[sm])
         tokens[at], dsq[at] = cnt.tokens[at], cnt.depth_sq[at]
         np.minimum.at(first, atom_u[sm], uniq[sm])
     for t, ps in parts_of.items():

@@ -81,6 +81,16 @@ def _distinct(x: np.ndarray) -> np.ndarray:
     return x[np.concatenate([[True], x[1:] != x[:-1]])] if x.size else x
 
 
+def _unique_inverse(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(x, return_inverse=True)`` by one stable sort (numpy's hashing path is slower)."""
+    o = np.argsort(x, kind="stable")
+    xs = x[o]
+    head = np.concatenate([[True], xs[1:] != xs[:-1]]) if x.size else np.zeros(0, dtype=bool)
+    inv = np.empty(x.size, dtype=np.int64)
+    inv[o] = np.cumsum(head) - 1
+    return xs[head], inv
+
+
 def _pad(x: np.ndarray | int, m: int):
     return -(-x // m) * m
 
@@ -363,7 +373,7 @@ def _wide_level(chunks: list, n: int, m: int, lvl: int, jumps: _Jumps | None, ep
                 u, least = jumps.up(k[j[cont]] % n, lvl - t[cont])
                 ru[cont] = np.minimum(r[j[cont]], least)
                 live = ru[cont] > 0
-                for tt in np.unique(t[cont][live]).tolist():
+                for tt in _distinct(t[cont][live]).tolist():
                     w = cont[live][t[cont][live] == tt]
                     pushes.append((tt, sets[j[w]] * n + u[live][t[cont][live] == tt], ru[w]))
             rj = r[j]
