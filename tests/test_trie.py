@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from microplan.prefix import dfs_order, micro_tree, sample_forest
+from microplan.prefix import dfs_order, dfs_orders, micro_tree, sample_forest
 from microplan.trie import cut_trees, forest_depths, micro_trees, set_tries
 
 SHAPES = ("grpo", "append", "edited", "branching", "mixed")
@@ -101,7 +101,11 @@ def test_micro_trees_equal_micro_tree_per_set(data, num_sets, density):
     members = np.flatnonzero(rng.random(n * num_sets) < density)
     set_of, members = members // n, members % n
     got = micro_trees(parent, shared, lens, members, set_of, num_sets)
-    assert len(got) == num_sets
+    orders = dfs_orders(parent, shared, members, set_of, num_sets)
+    assert len(got) == num_sets == len(orders)
+    for k in range(num_sets):
+        want = dfs_order(parent, shared, members[set_of == k]) if (set_of == k).any() else np.zeros(0, int)
+        assert orders[k].dtype == np.int64 and orders[k].tolist() == want.tolist()
     for k in range(num_sets):
         want = micro_tree(parent, shared, lens, members[set_of == k])
         assert got[k] == want

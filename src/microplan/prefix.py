@@ -34,7 +34,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "sample_forest"]
+__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "dfs_orders", "sample_forest"]
 
 
 @dataclass(frozen=True)
@@ -185,6 +185,41 @@ def dfs_order(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> np
         if kids:
             stack.extend(kids[::-1])
     return np.asarray(out, dtype=np.int64)
+
+
+def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
+               num_sets: int) -> list[np.ndarray]:
+    """``[dfs_order(parent, shared, set k) for k in range(num_sets)]``: sets whose sample forest
+    is one level deep (a root and samples hanging from it, or from a root outside the set: GRPO
+    micro-batches) in one sort by (set, root, sample); the others one by one. O(M log M)."""
+    members, set_of = np.asarray(members, dtype=np.int64), np.asarray(set_of, dtype=np.int64)
+    n = parent.size
+    key = np.sort(set_of * n + members)
+    key = key[np.concatenate([[True], key[1:] != key[:-1]])] if key.size else key
+    sets, x = key // n, key % n
+    ep = np.where((parent >= 0) & (shared > 0), parent, -1)
+    p1 = ep[x]
+    held = np.zeros(x.size, dtype=bool)                              # p1 is in the same set
+    pos = np.searchsorted(key, sets * n + np.maximum(p1, 0))
+    held[p1 >= 0] = key[np.minimum(pos, key.size - 1)][p1 >= 0] == (sets * n + p1)[p1 >= 0]
+    p2 = np.where(p1 >= 0, ep[np.maximum(p1, 0)], -1)
+    root = (p1 < 0) | (~held & (p2 < 0))                             # nothing above it in the set
+    slow = ~held & ~root                                             # an outside sample in between
+    parent_in = np.where(held, pos, 0)
+    slow |= held & ~root[parent_in]                                  # two levels deep
+    bad = np.zeros(num_sets, dtype=bool)
+    bad[sets[slow]] = True
+    top = np.where(root, x, p1)
+    o = np.lexsort((x, top, sets))
+    sets_o, x_o = sets[o], x[o]
+    cut = np.searchsorted(sets_o, np.arange(num_sets + 1))
+    out = []
+    for k in range(num_sets):
+        if bad[k]:
+            out.append(dfs_order(parent, shared, x_o[cut[k]:cut[k + 1]]))
+        else:
+            out.append(x_o[cut[k]:cut[k + 1]])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
