@@ -1,6 +1,6 @@
-"""microplan.trie against slow references: tries built by ``micro_tree`` set by set, and the
-depth-first greedy cut of ``stages/share._atoms`` as it was written before trie.py (per-member
-walks to the root, kept here verbatim in spirit as :func:`ref_atoms`).
+"""microplan.trie / treecut against slow references: tries built by ``micro_tree`` set by set, and
+the depth-first greedy cut as main's reference ``trie.cut_trees`` writes it (per-member walks to
+the root, a copy of the part per subtree trial: :func:`ref_cut`).
 
 Forests are drawn in the shapes the planner meets: GRPO groups (a prompt and n children),
 append-only chains (each sample continues the previous one whole), edited chains (a sample
@@ -150,25 +150,9 @@ def test_set_tries_deep_chain_and_repeats():
 
 # -- cut_trees ------------------------------------------------------------------------------------
 
-def _gain(need: dict, i: int, parent, shared, lens) -> tuple[int, list]:
-    du, ups = 0, []
-    a, r = i, int(lens[i])
-    while a >= 0 and r > 0:
-        old = need.get(a, 0)
-        if r <= old:
-            break
-        lo = max(old, int(shared[a]) if parent[a] >= 0 else 0)
-        du += max(0, r - lo)
-        ups.append((a, r))
-        r = min(r, int(shared[a])) if parent[a] >= 0 else 0
-        a = int(parent[a])
-    return du, ups
-
-
-def ref_atoms(samples, parent, shared, lens, limit) -> list[list[int]]:
-    """stages/share._atoms as it was before trie.py: per-member walks, subtree sizes by the chain
-    arithmetic of _subtree_tokens (an overestimate when two members meet below their nearest
-    common member ancestor), the same greedy."""
+def ref_cut(samples, parent, shared, lens, limit, multiple=1) -> list[list[int]]:
+    """The greedy as main's reference trie.cut_trees writes it: a subtree fits when adding it,
+    sample by sample, to a copy of the part keeps the part within the limit (exact, padded)."""
     roots, children = sample_forest(parent, shared, samples)
 
     def subtree(i):
@@ -179,49 +163,59 @@ def ref_atoms(samples, parent, shared, lens, limit) -> list[list[int]]:
             stack.extend(children.get(a, [])[::-1])
         return out
 
-    def shared_with(j, a):
-        s, b = int(shared[j]), int(parent[j])
-        while b != a:
-            s, b = min(s, int(shared[b])), int(parent[b])
-        return s
+    def gain(need, i):
+        du, ups = 0, []
+        a, r = i, int(lens[i])
+        while a >= 0 and r > 0:
+            old = need.get(a, 0)
+            if r <= old:
+                break
+            st_ = int(shared[a]) if parent[a] >= 0 else 0
+            lo = max(old, st_)
+            if r > lo:
+                du += -(-(r - st_) // multiple) * multiple - (-(-(lo - st_) // multiple) * multiple if lo > st_ else 0)
+            ups.append((a, r))
+            r = min(r, int(shared[a])) if parent[a] >= 0 else 0
+            a = int(parent[a])
+        return du, ups
 
-    sub = {}
-    for r in roots:
-        for a in reversed(subtree(r)):
-            sub[a] = int(lens[a]) + sum(sub[j] - shared_with(j, a) for j in children.get(a, []))
+    def try_subtree(i, part):
+        members, need, tokens = list(part[0]), dict(part[1]), part[2]
+        for j in subtree(i):
+            du, ups = gain(need, j)
+            members.append(j)
+            need.update(ups)
+            tokens += du
+            if tokens > limit:
+                return None
+        return [members, need, tokens]
+
     atoms: list[list[int]] = []
     for r in roots:
-        part = {"m": [], "need": {}, "t": 0}
-
-        def add(i, part=part):
-            du, ups = _gain(part["need"], i, parent, shared, lens)
-            part["m"].append(i)
-            part["need"].update(ups)
-            part["t"] += du
-
-        def flush(part=part):
-            atoms.append(part["m"])
-            part.update(m=[], need={}, t=0)
-
+        part = [[], {}, 0]
         stack = [r]
         while stack:
             i = stack.pop()
-            covered = int(lens[i]) - _gain(part["need"], i, parent, shared, lens)[0] if part["m"] else 0
-            if part["t"] + sub[i] - covered <= limit:
-                for j in subtree(i):
-                    add(j)
+            got = try_subtree(i, part)
+            if got is not None:
+                part = got
                 continue
-            if part["m"] and sub[i] <= limit:
-                flush()
-                for j in subtree(i):
-                    add(j)
-                continue
-            du = _gain(part["need"], i, parent, shared, lens)[0]
-            if part["m"] and part["t"] + du > limit:
-                flush()
-            add(i)
+            if part[0]:
+                got = try_subtree(i, [[], {}, 0])
+                if got is not None:
+                    atoms.append(part[0])
+                    part = got
+                    continue
+            du, ups = gain(part[1], i)
+            if part[0] and part[2] + du > limit:
+                atoms.append(part[0])
+                part = [[], {}, 0]
+                du, ups = gain(part[1], i)
+            part[0].append(i)
+            part[1].update(ups)
+            part[2] += du
             stack.extend(children.get(i, [])[::-1])
-        flush()
+        atoms.append(part[0])
     return [a for a in atoms if a]
 
 
@@ -232,22 +226,23 @@ def _parts(cut, samples) -> list[list[int]]:
     return out
 
 
-@given(data=forests(), limit=st.integers(1, 150), frac=st.sampled_from([0.3, 0.7, 1.0]))
-def test_cut_trees_equal_the_greedy_of_share_atoms(data, limit, frac):
+@given(data=forests(), limit=st.integers(1, 150), frac=st.sampled_from([0.3, 0.7, 1.0]),
+       multiple=st.sampled_from([1, 1, 2, 8]))
+def test_cut_trees_equal_the_exact_greedy(data, limit, frac, multiple):
     rng, (parent, shared, lens) = data
     n = parent.size
     samples = np.flatnonzero(rng.random(n) < frac)
     if samples.size == 0:
         samples = np.array([n - 1])
     rng.shuffle(samples)                         # atom_of follows the order given
-    cut = cut_trees(parent, shared, lens, samples, limit)
-    ref = ref_atoms(np.sort(samples), parent, shared, lens, limit)
+    cut = cut_trees(parent, shared, lens, samples, limit, multiple=multiple)
+    ref = ref_cut(np.sort(samples), parent, shared, lens, limit, multiple)
     got = _parts(cut, samples)
     assert [sorted(a) for a in got] == [sorted(a) for a in ref]
     assert cut.first.tolist() == [a[0] for a in ref]
     for a, members in enumerate(got):
         t = micro_tree(parent, shared, lens, members)
-        assert (cut.tokens[a], cut.depth_sq[a]) == (t.num_tokens, t.depth_sq)
+        assert (cut.tokens[a], cut.depth_sq[a]) == (padded(t, multiple), t.depth_sq)
 
 
 @given(data=forests(), limit=st.integers(1, 150), multiple=st.sampled_from([2, 8]))
@@ -290,8 +285,8 @@ def _root(x: int, parent, shared, members: set[int]) -> int:
 
 @pytest.mark.parametrize("n", [1500])
 def test_cut_trees_chain_is_linear(n):
-    """An append-only chain whose samples each exceed the limit: n parts of one sample (the old
-    greedy walked every part's first sample to the root: quadratic)."""
+    """An append-only chain whose samples each exceed the limit: n parts of one sample (the
+    reference walks every part's first sample to the root: quadratic)."""
     import time
     lens = 100 + 10 * np.arange(n)
     parent = np.arange(-1, n - 1)

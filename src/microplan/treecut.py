@@ -4,23 +4,25 @@ Design note. ``stages/share.py`` packs prefix trees as atoms; a tree over the li
 depth-first greedy (a subtree that fits the current part joins it, one that fits a fresh part
 starts one, a larger one is split at its own branches). Steps:
 
-1. Trees by pointer doubling over the forest (nearest member ancestor, the least shared length
-   on the way to it, the tree's root): O(N log depth) numpy; a tree whose conservative size
-   (Σ L − shared with the nearest member above, ``share._subtree_tokens``) fits stays whole,
-   its exact size from one ``trie.set_tries`` call for all trees.
-2. Stars (a root and leaves hanging directly from it: GRPO groups) are cut in numpy lockstep
-   over their children: a child covers min(s_c, H) of its tokens, H being how far the part
-   reaches into the root's sequence.
-3. Other trees run the greedy in Python; a part keeps its needs in a dict but a fresh part holds
-   its first sample's root path implicitly (size L, or its padded path from a memo) until a
-   later walk climbs above it, so a chain costs O(1) per sample instead of a walk to the root.
+1. Trees by pointer doubling over the forest (nearest member ancestor, the tree's root):
+   O(N log depth) numpy; a tree whose trie fits stays whole (one ``trie.set_tries`` call for
+   all trees, padded segments counted).
+2. Stars (a root and leaves hanging directly from it: GRPO groups; multiple 1) are cut in numpy
+   lockstep over their children: a child covers min(s_c, H) of its tokens, H being how far the
+   part reaches into the root's sequence; it joins if the rest fits, else starts a fresh part.
+3. Other trees run the greedy in Python. A subtree "fits" exactly: it is added to the part
+   sample by sample and, as soon as the part passes the limit, the logged changes are undone
+   (a trial costs what it adds, so a chain whose parts hold k samples costs O(n·k) at worst,
+   O(n) in practice: once samples grow past the limit every trial stops at its first sample).
+   A part keeps its needs in a dict, but a fresh part holds its first sample's root path
+   implicitly (size L, or its padded path from a memo) until a later walk climbs above it, so
+   a chain costs O(1) per sample instead of a walk to the root.
 
-Guarantees: with ``multiple`` 1 the parts are exactly those of the greedy as ``share._atoms``
-wrote it before (tests/test_trie.py keeps that version as the reference), in the same order;
-with m > 1 a subtree's padded size is estimated and a part that would pass the limit while a
-subtree is added is closed there, so every part holds <= limit tokens whenever each sample's
-padded path fits. Measured (busy 2-core VM): 16,384 GRPO samples at cap 32,768 (839 trees cut)
-~16 ms; an append-only chain of 1,500 ~20-40 ms, linear (the per-part root walk: quadratic).
+Guarantees: the parts, and their order, of the exact-trial greedy (main's reference
+``trie.cut_trees``; tests/test_trie.py keeps it as :func:`ref_cut`), for every multiple: every
+part holds <= limit tokens unless it is one sample that alone exceeds it. Measured (busy 2-core
+VM): 16,384 GRPO samples at cap 32,768 (839 trees cut) ~16-30 ms; an append-only chain of 1,500
+~1-30 ms (the reference: a walk to the root per part, a dict copy per trial: quadratic).
 """
 
 from __future__ import annotations
@@ -48,28 +50,18 @@ class TreeCut(NamedTuple):
 
 class _Above(NamedTuple):
     """Per global sample (meaningful at the step's members): nearest member ancestor ``near``
-    (-1: a tree root), the least shared length on the way to it ``sw``, the tree's ``root``."""
+    (-1: a tree root) and the tree's ``root``."""
 
     near: np.ndarray
-    sw: np.ndarray
     root: np.ndarray
 
 
-def _above(ep: np.ndarray, shared: np.ndarray, is_member: np.ndarray) -> _Above:
+def _above(ep: np.ndarray, is_member: np.ndarray) -> _Above:
     """Pointer doubling over the forest: O(N log depth) numpy."""
     n = ep.size
     idx = np.arange(n, dtype=np.int64)
     link = np.where((ep >= 0) & ~is_member[np.maximum(ep, 0)], ep, -1)   # climb through non-members
-    mn = shared.copy()
     end = np.where(link >= 0, link, idx)
-    jump = link.copy()
-    while True:
-        has = np.flatnonzero(jump >= 0)
-        if has.size == 0:
-            break
-        j = jump[has]
-        mn[has] = np.minimum(mn[has], mn[j])
-        jump[has] = jump[j]
     while True:
         nxt = end[end]
         if np.array_equal(nxt, end):
@@ -82,7 +74,7 @@ def _above(ep: np.ndarray, shared: np.ndarray, is_member: np.ndarray) -> _Above:
         if np.array_equal(nxt, root):
             break
         root = nxt
-    return _Above(near, mn, root)
+    return _Above(near, root)
 
 
 class _Part:
@@ -100,7 +92,7 @@ class _Part:
 
 
 class _Cutter:
-    """The depth-first greedy of ``stages/share._atoms`` over one forest (shared arrays, memos)."""
+    """The depth-first greedy over one forest (shared arrays, memos)."""
 
     def __init__(self, ep: np.ndarray, start: np.ndarray, shared: np.ndarray, lens: np.ndarray, m: int,
                  limit: int) -> None:
@@ -199,8 +191,7 @@ class _Cutter:
         part.tokens += du
         part.dsq += dd
 
-    def cut_tree(self, root: int, children: dict[int, list[int]], sub: dict[int, int], size: dict[int, int],
-                 out: list[_Part]) -> None:
+    def cut_tree(self, root: int, children: dict[int, list[int]], out: list[_Part]) -> None:
         """Cut the tree of ``root`` into parts (appended to ``out``) in depth-first order."""
         part = _Part()
         stack = [root]
@@ -208,13 +199,18 @@ class _Cutter:
         while stack:
             i = stack.pop()
             kids = children.get(i)
-            g = self.gain(part, i)
             if kids:
-                placed, part = self._place_subtree(i, g, children, sub, size, part, out)
-                if placed:
+                if self._try_subtree(i, children, part):
                     continue
-            # a leaf (its subtree is itself: placing it whole is this same step) or a subtree too
-            # large for a part: place i alone, then its branches
+                if part.members:
+                    fresh = _Part()
+                    if self._try_subtree(i, children, fresh):
+                        out.append(part)
+                        part = fresh
+                        continue
+            # a leaf (trying its subtree is this same step) or a subtree too large for a part:
+            # place i alone, then its branches
+            g = self.gain(part, i)
             if part.members and part.tokens + g[0] > limit:
                 out.append(part)
                 part = _Part()
@@ -225,38 +221,43 @@ class _Cutter:
         if part.members:
             out.append(part)
 
-    def _place_subtree(self, i: int, g: tuple[int, int, list], children: dict[int, list[int]],
-                       sub: dict[int, int], size: dict[int, int], part: _Part,
-                       out: list[_Part]) -> tuple[bool, _Part]:
-        """Put the whole subtree of i into ``part`` or a fresh part (share._place_subtree); ``g``
-        is i's gain in ``part``. The subtree meets the part only on i's own sequence, of which
-        the part covers ``L_i − gain``."""
-        L = self.lens[i]
-        if self.m == 1:
-            covered = L - g[0] if part.members else 0
-            est, alone = part.tokens + sub[i] - covered, sub[i]
-        else:   # i's exact padded gain, the rest unpadded plus one multiple per further sample
-            rest = sub[i] - L + (self.m - 1) * (size[i] - 1)
-            est = part.tokens + g[0] + rest
-            alone = self.path_tokens(i) + rest
-        if est > self.limit:
-            if not part.members or alone > self.limit:
-                return False, part
-            out.append(part)
-            part = _Part()
+    def _try_subtree(self, i: int, children: dict[int, list[int]], part: _Part) -> bool:
+        """Add the subtree of i to ``part`` in depth-first order; if the part passes the limit,
+        undo every change and return False (the need writes are logged, so an undo costs what
+        the trial did)."""
+        kept = (len(part.members), part.tokens, part.dsq)
+        was_empty = not part.members
+        log: list[tuple[int, int | None]] = []
+        need = part.need
         stack = [i]
         while stack:
             j = stack.pop()
             du, dd, ups = self.gain(part, j)
-            if part.members and part.tokens + du > self.limit:   # only when an estimate was low (m > 1)
-                out.append(part)
-                part = _Part()
-                du, dd, ups = self.gain(part, j)
-            self.add(part, j, du, dd, ups)
+            if part.members:
+                for a, r in ups:
+                    log.append((a, need.get(a)))
+                    need[a] = r
+                part.members.append(j)
+                part.tokens += du
+                part.dsq += dd
+            else:
+                self.add(part, j, du, dd, ups)
+            if part.tokens > self.limit:
+                if was_empty:
+                    part.members, part.need, part.tokens, part.dsq, part.base = [], {}, 0, 0, -1
+                    return False
+                for a, old in reversed(log):
+                    if old is None:
+                        del need[a]
+                    else:
+                        need[a] = old
+                del part.members[kept[0]:]
+                part.tokens, part.dsq = kept[1], kept[2]
+                return False
             kids = children.get(j)
             if kids:
                 stack.extend(kids[::-1])
-        return True, part
+        return True
 
 
 def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples: Sequence[int] | np.ndarray,
@@ -280,19 +281,11 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
         return TreeCut(z, z, np.zeros(0), z)
     is_member = np.zeros(parent.size, dtype=bool)
     is_member[uniq] = True
-    ab = _above(ep, shared, is_member)
+    ab = _above(ep, is_member)
     near, root = ab.near[uniq], ab.root[uniq]
-    sw = np.where(near >= 0, ab.sw[uniq], 0)
     roots, tree = _unique_inverse(root)
-    # share._subtree_tokens of each root: Σ over the tree of L − (tokens shared with the nearest member above)
-    est = np.bincount(tree, weights=lens[uniq] - sw, minlength=roots.size).astype(np.int64)
-    if m == 1:   # share._atoms keeps a tree whole when its (conservative) size fits
-        whole = est <= limit
-        keep = whole[tree]
-        exact = set_tries(parent, shared, lens, uniq[keep], tree[keep], roots.size)
-    else:
-        exact = set_tries(parent, shared, lens, uniq, tree, roots.size, multiple=m)
-        whole = exact.tokens <= limit
+    exact = set_tries(parent, shared, lens, uniq, tree, roots.size, multiple=m)
+    whole = exact.tokens <= limit
     local = np.zeros(uniq.size, dtype=np.int64)      # each member's part within its tree
     count = np.ones(roots.size, dtype=np.int64)       # parts per tree
     star = np.zeros(roots.size, dtype=bool)
@@ -309,17 +302,10 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
         for x, a in zip(uniq[sel].tolist(), near[sel].tolist()):
             if a >= 0:
                 children.setdefault(a, []).append(x)
-        sub: dict[int, int] = {}
-        size: dict[int, int] = {}
-        sw_of = dict(zip(uniq[sel].tolist(), sw[sel].tolist()))
-        for x in reversed(uniq[sel].tolist()):               # children (later samples) first
-            kids = children.get(x, ())
-            sub[x] = int(lens[x]) + sum(sub[j] - sw_of[j] for j in kids)
-            size[x] = 1 + sum(size[j] for j in kids)
         pos = {x: k for k, x in zip(sel.tolist(), uniq[sel].tolist())}
         for t in big.tolist():
             out: list[_Part] = []
-            cutter.cut_tree(int(roots[t]), children, sub, size, out)
+            cutter.cut_tree(int(roots[t]), children, out)
             parts_of[t] = out
             count[t] = len(out)
             for q, part in enumerate(out):
