@@ -191,8 +191,10 @@ class _Cutter:
         part.tokens += du
         part.dsq += dd
 
-    def cut_tree(self, root: int, children: dict[int, list[int]], out: list[_Part]) -> None:
-        """Cut the tree of ``root`` into parts (appended to ``out``) in depth-first order."""
+    def cut_tree(self, root: int, children: dict[int, list[int]], top: dict[int, int], out: list[_Part]) -> None:
+        """Cut the tree of ``root`` into parts (appended to ``out``) in depth-first order; ``top``
+        is the largest lone-sample size in each subtree (a trial that cannot fit is skipped)."""
+        self.top = top
         part = _Part()
         stack = [root]
         limit = self.limit
@@ -225,6 +227,8 @@ class _Cutter:
         """Add the subtree of i to ``part`` in depth-first order; if the part passes the limit,
         undo every change and return False (the need writes are logged, so an undo costs what
         the trial did)."""
+        if self.top[i] > self.limit:   # a sample of the subtree alone passes the limit
+            return False
         kept = (len(part.members), part.tokens, part.dsq)
         was_empty = not part.members
         log: list[tuple[int, int | None]] = []
@@ -303,9 +307,12 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
             if a >= 0:
                 children.setdefault(a, []).append(x)
         pos = {x: k for k, x in zip(sel.tolist(), uniq[sel].tolist())}
+        top: dict[int, int] = {}
+        for x in reversed(uniq[sel].tolist()):               # children (later samples) first
+            top[x] = max([cutter.path_tokens(x)] + [top[j] for j in children.get(x, ())])
         for t in big.tolist():
             out: list[_Part] = []
-            cutter.cut_tree(int(roots[t]), children, out)
+            cutter.cut_tree(int(roots[t]), children, top, out)
             parts_of[t] = out
             count[t] = len(out)
             for q, part in enumerate(out):
