@@ -466,14 +466,46 @@ def _owner_needs(ep: np.ndarray, start: np.ndarray, shared: np.ndarray, lens: np
     cuts = (np.flatnonzero(d[1:] != d[:-1]) + 1).tolist()
     inject = {int(d[lo]): (lo, hi) for lo, hi in zip([0] + cuts, cuts + [d.size])}
     k_out, r_out = [], []
-    pk = pr = np.zeros(0, dtype=np.int64)
+    py_k: list[int] = []
+    py_r: list[int] = []
+    look: _Look | None = None
+    key_l: list[int] | None = None
+    pk: np.ndarray | list[int] = np.zeros(0, dtype=np.int64)
+    pr: np.ndarray | list[int] = np.zeros(0, dtype=np.int64)
     for lvl in range(int(d[0]), -1, -1):
         lo, hi = inject.get(lvl, (0, 0))
-        k = np.concatenate([pk, mkey[lo:hi]])
-        if k.size == 0:
+        if len(pk) + hi - lo <= _NARROW:   # plain Python for a narrow level (a chain)
+            if len(pk) + hi - lo == 0:
+                continue
+            look = look or _Look(ep, start, shared, n <= 8 * mkey.size)
+            if key_l is None:
+                key_l = mkey.tolist()
+            need: dict[int, int] = {}
+            for k, r in zip(pk if isinstance(pk, list) else pk.tolist(), pr if isinstance(pr, list) else pr.tolist()):
+                if r > need.get(k, 0):
+                    need[k] = r
+            for k in key_l[lo:hi]:
+                r = int(lens[k % n])
+                if r > need.get(k, 0):
+                    need[k] = r
+            pk, pr = [], []
+            nxt: dict[int, int] = {}
+            for k, r in need.items():
+                p, st, sh = look(k % n)
+                if r > st:
+                    py_k.append(k)
+                    py_r.append(r)
+                if p >= 0 and sh > 0:
+                    kp = k - k % n + p
+                    u = min(r, sh)
+                    if u > nxt.get(kp, 0):
+                        nxt[kp] = u
+            pk, pr = list(nxt), list(nxt.values())
             continue
-        r = np.concatenate([pr, lens[mkey[lo:hi] % n]])
-        if pk.size:
+        pk_a = np.asarray(pk, dtype=np.int64)
+        k = np.concatenate([pk_a, mkey[lo:hi]])
+        r = np.concatenate([np.asarray(pr, dtype=np.int64), lens[mkey[lo:hi] % n]])
+        if pk_a.size:
             o = np.argsort(k, kind="stable")
             k, r = k[o], r[o]
             first = np.flatnonzero(np.concatenate([[True], k[1:] != k[:-1]]))
@@ -486,6 +518,8 @@ def _owner_needs(ep: np.ndarray, start: np.ndarray, shared: np.ndarray, lens: np
         u = np.minimum(r, shared[nd])
         go = (p >= 0) & (u > 0)
         pk, pr = (k[go] // n) * n + p[go], u[go]
+    k_out.append(np.array(py_k, dtype=np.int64))
+    r_out.append(np.array(py_r, dtype=np.int64))
     return np.concatenate(k_out), np.concatenate(r_out)
 
 
