@@ -120,16 +120,17 @@ def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link):
     lens = rng.integers(1, 60, size=n)
     toks, parent, shared = realise(rng, lens, p_link=p_link)
     step = np.sort(rng.choice(n, size=int(rng.integers(1, n + 1)), replace=False))  # a step: any subset
-    atoms = _atoms(step, parent, shared, lens, limit)
-    assert sorted(i for a in atoms for i in a.members) == step.tolist()
-    for a in atoms:
-        assert a.tokens == trie_size(toks, a.members)
-        t = micro_tree(parent, shared, lens, a.members)   # the Σ depth² the cost sees, as the plan's trees count it
-        assert (a.tokens, a.depth_sq) == (t.num_tokens, t.depth_sq)
-        assert a.tokens <= limit or (len(a.members) == 1 and lens[a.members[0]] > limit)
+    cut = _atoms(step, parent, shared, lens, limit)
+    atoms = [step[cut.atom_of == a].tolist() for a in range(cut.tokens.size)]
+    assert sorted(i for a in atoms for i in a) == step.tolist() and all(atoms)
+    for a, members in enumerate(atoms):
+        assert cut.tokens[a] == trie_size(toks, members)
+        t = micro_tree(parent, shared, lens, members)   # the Σ depth² the cost sees, as the plan's trees count it
+        assert (cut.tokens[a], cut.depth_sq[a]) == (t.num_tokens, t.depth_sq)
+        assert cut.tokens[a] <= limit or (len(members) == 1 and lens[members[0]] > limit)
     whole = _atoms(step, parent, shared, lens, 10**9)   # no limit: one atom per tree of the step
     roots, _ = sample_forest(parent, shared, step)
-    assert [a.members[0] for a in whole] == roots
+    assert whole.first.tolist() == roots
 
 
 
@@ -250,3 +251,30 @@ def test_forward_passes_use_the_same_trees():
                 assert np.array_equal(ma.indices, mb.indices) and ma.tree == mb.tree
                 assert not mb.loss_scale.any()
     assert mp.Plan.from_json(like.to_json()) == like
+
+
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 40))
+def test_atom_components_join_atoms_sharing_rollouts(seed, n):
+    """stages/share._components (label spreading) against a union-find over each atom's rollouts:
+    per atom, the smallest rollout code of its component."""
+    from microplan.stages.share import _components
+    from microplan.trie import TreeCut
+    rng = np.random.default_rng(seed)
+    A = int(rng.integers(1, n + 1))
+    atom_of = rng.permutation(np.concatenate([np.arange(A), rng.integers(0, A, n - A)]))
+    rollouts = rng.integers(0, int(rng.integers(1, 15)), n)
+    boss = {int(c): int(c) for c in np.unique(rollouts)}
+
+    def find(c):
+        while boss[c] != c:
+            c = boss[c]
+        return c
+
+    for a in range(A):
+        rc = sorted({int(c) for c in rollouts[atom_of == a]})
+        for c in rc[1:]:
+            x, y = find(rc[0]), find(c)
+            boss[max(x, y)] = min(x, y)
+    want = [find(int(rollouts[atom_of == a].min())) for a in range(A)]
+    cut = TreeCut(atom_of, np.zeros(A, np.int64), np.zeros(A), np.zeros(A, np.int64))
+    assert _components(cut, rollouts).tolist() == want

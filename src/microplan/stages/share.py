@@ -26,8 +26,11 @@ its samples (``microplan.prefix``). Steps:
 Guarantees: every core invariant (the cap now counting unique tokens); a micro-batch never
 holds more tokens than its samples unshared; the step is never predicted slower than the
 per-sample candidate, which packs exactly what the plain planner packs (and its micro-batches
-share whatever their samples share). Cost: up to four packings per step, trie walks in Python:
-~0.1 s for a 1,000-sample step-wise step at dp 32 (~15 ms planned without sharing).
+share whatever their samples share). Cost: up to four packings per step; the trie arithmetic
+(atoms, bin tries, micro-batch trees and orders) is ``microplan.trie``'s, near-linear. Measured
+side by side on a busy VM (``benchmarks/bench_share_speed.py``): 16,384 GRPO samples at dp 128
+17x the unshared plan (was 59x; the four packings are ~2/3 of it), chains of 250-1,500 samples
+2.4-4.8x (were 53-86x).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from ..batch import Batch
 from ..config import PlanConfig
 from ..cost.models import bin_costs
 from ..errors import PlanError
-from ..prefix import dfs_order, forest_of, micro_tree, sample_forest
+from ..prefix import dfs_orders, forest_of
+from ..trie import TreeCut, _unique_inverse, cut_trees, micro_trees, set_tries
 from ..types import Micro, Step
 from .assign import arrange, grid_time
 from .fit import StepFit, effective_cap, fit_step
@@ -49,155 +53,36 @@ from .weigh import loss_coefficients, loss_scales
 __all__ = ["plan_shared_step"]
 
 
-class _Part:
-    """A growing set of samples and the `need` of every sample its trie touches (prefix.py)."""
-
-    def __init__(self) -> None:
-        self.members: list[int] = []
-        self.need: dict[int, int] = {}
-        self.tokens = 0
-        self.depth_sq = 0
-
-    def gain(self, i: int, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> tuple[int, int, list]:
-        """(Δ tokens, Δ depth_sq, updates) of adding sample i; walks up until the need is met."""
-        du = dd = 0
-        updates = []
-        a, r = i, int(lens[i])
-        while a >= 0 and r > 0:
-            old = self.need.get(a, 0)
-            if r <= old:
-                break
-            st = int(shared[a]) if parent[a] >= 0 else 0
-            lo = max(old, st)
-            if r > lo:
-                du += r - lo
-                dd += r * r - lo * lo
-            updates.append((a, r))
-            r = min(r, int(shared[a])) if parent[a] >= 0 else 0
-            a = int(parent[a])
-        return du, dd, updates
-
-    def add(self, i: int, du: int, dd: int, updates: list) -> None:
-        self.members.append(i)
-        self.need.update(updates)
-        self.tokens += du
-        self.depth_sq += dd
-
-    def detach(self) -> _Part:
-        """Move the contents to a new part (returned) and leave this one empty."""
-        done = _Part()
-        done.members, done.need, done.tokens, done.depth_sq = self.members, self.need, self.tokens, self.depth_sq
-        self.members, self.need, self.tokens, self.depth_sq = [], {}, 0, 0
-        return done
-
-
 def _atoms(samples: np.ndarray, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray,
-           limit: int) -> list[_Part]:
+           limit: int) -> TreeCut:
     """Trees whose trie holds at most ``limit`` tokens stay whole; a larger one is cut into parts,
     subtree by subtree (a branch that fits in the current part's room joins it, one that fits a
     fresh part starts one, a larger one is split at its own branches), so parts break where
     branches diverge. ``limit`` <= the cap; a sample longer than ``limit`` is a part of its own
-    (never above the cap when the sample fits it). O(Σ path walks): each sample is added once."""
-    roots, children = sample_forest(parent, shared, samples)
-    sub = _subtree_tokens(roots, children, parent, shared, lens)
-    atoms: list[_Part] = []
-    for r in roots:
-        part = _Part()
-        stack = [r]
-        while stack:  # depth-first, iteratively (trajectories can be long chains)
-            i = stack.pop()
-            if _place_subtree(i, children, sub, part, atoms, parent, shared, lens, limit):
-                continue
-            du, dd, up = part.gain(i, parent, shared, lens)  # too large: place i, then its branches
-            if part.members and part.tokens + du > limit:
-                atoms.append(part.detach())
-                du, dd, up = part.gain(i, parent, shared, lens)
-            part.add(i, du, dd, up)
-            stack.extend(children.get(i, [])[::-1])
-        atoms.append(part)
-    return [a for a in atoms if a.members]
+    (never above the cap when the sample fits it). ``trie.cut_trees``: linear on chains."""
+    return cut_trees(parent, shared, lens, samples, limit)
 
 
-def _subtree_tokens(roots: list[int], children: dict[int, list[int]], parent: np.ndarray, shared: np.ndarray,
-                    lens: np.ndarray) -> dict[int, int]:
-    """Trie size of each sample's subtree, its own whole sequence included: a child j adds all but
-    the tokens it has in common with its parent in the step."""
-    order = []
-    for r in roots:
-        stack = [r]
-        while stack:
-            a = stack.pop()
-            order.append(a)
-            stack.extend(children.get(a, []))
-    sub: dict[int, int] = {}
-    for a in reversed(order):  # children before parents
-        sub[a] = int(lens[a]) + sum(sub[j] - _shared_with(j, a, parent, shared) for j in children.get(a, []))
-    return sub
-
-
-def _shared_with(j: int, a: int, parent: np.ndarray, shared: np.ndarray) -> int:
-    """Tokens sample j shares with its ancestor a: the least shared length on the chain between
-    them (the chain may pass through samples of other steps)."""
-    s = int(shared[j])
-    b = int(parent[j])
-    while b != a:
-        s = min(s, int(shared[b]))
-        b = int(parent[b])
-    return s
-
-
-def _subtree(i: int, children: dict[int, list[int]]) -> list[int]:
-    out, stack = [], [i]
-    while stack:
-        a = stack.pop()
-        out.append(a)
-        stack.extend(children.get(a, [])[::-1])
-    return out
-
-
-def _place_subtree(i: int, children: dict[int, list[int]], sub: dict[int, int], part: _Part, atoms: list[_Part],
-                   parent, shared, lens, limit: int) -> bool:
-    """Put the whole subtree of sample i into ``part``, or into a fresh part; False if it fits neither.
-
-    The subtree meets the part only on i's own sequence (the part holds earlier samples of the
-    depth-first order, none below i), whose covered prefix is ``lens[i] - gain(i)``, so the part
-    would hold ``part.tokens + sub[i] - (lens[i] - gain(i))`` tokens."""
-    covered = int(lens[i]) - part.gain(i, parent, shared, lens)[0] if part.members else 0
-    if part.tokens + sub[i] - covered > limit:
-        if not part.members or sub[i] > limit:
-            return False
-        atoms.append(part.detach())
-    for j in _subtree(i, children):
-        part.add(j, *part.gain(j, parent, shared, lens))
-    return True
-
-
-def _components(atoms: list[_Part], rollouts: np.ndarray, pos: dict[int, int]) -> np.ndarray:
-    """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts)."""
-    codes = np.unique(rollouts)
-    boss = {int(c): int(c) for c in codes}
-
-    def find(c: int) -> int:
-        while boss[c] != c:
-            boss[c] = boss[boss[c]]
-            c = boss[c]
-        return c
-
-    firsts = []
-    for part in atoms:
-        rc = sorted({int(rollouts[pos[i]]) for i in part.members})
-        for c in rc[1:]:
-            a, b = find(rc[0]), find(c)
-            if a != b:
-                boss[max(a, b)] = min(a, b)
-        firsts.append(rc[0])
-    return np.array([find(c) for c in firsts], dtype=np.int64)
+def _components(cut: TreeCut, rollouts: np.ndarray) -> np.ndarray:
+    """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts):
+    labels spread between atoms and rollouts until they settle (one round unless rollouts chain)."""
+    codes, r = _unique_inverse(rollouts)
+    comp = codes.copy()
+    A = cut.tokens.size
+    while True:
+        at = np.full(A, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(at, cut.atom_of, comp[r])
+        nxt = comp.copy()
+        np.minimum.at(nxt, r, at[cut.atom_of])
+        if np.array_equal(nxt, comp):
+            return at
+        comp = nxt
 
 
 class _Candidate(NamedTuple):
     """One way to cut a step's trees into atoms, packed: its bins, drops and predicted time."""
 
-    members: list[list[int]]   # samples of each of the dp·K bins
+    bin_of: np.ndarray         # bin (of the dp·K) of each of the step's samples, -1: dropped
     grid: np.ndarray           # [dp, K] bin of each (rank, slot)
     kept: np.ndarray
     dropped: np.ndarray
@@ -230,12 +115,12 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
     lens = batch.seq_lens
     cap = effective_cap(cfg)
     assert cap is not None and cfg.loss is not None
-    singles = _singles(samples, parent, shared, lens)
+    singles = _singles(samples, lens)
     try:
         best = _candidate(s, _atoms(samples, parent, shared, lens, cap), samples, batch, cfg)
     except PlanError:  # whole trees may be too few for dp·K micro-batches: finer atoms may fill them
         best = _candidate(s, singles, samples, batch, cfg)  # the plain planner's feasibility
-        return _step(s, best, batch, cfg), best.dropped, _why(s, cfg)
+        return _step(s, best, samples, batch, cfg), best.dropped, _why(s, cfg)
     mean = best.bin_tokens.sum() / best.bin_tokens.size
     largest = int(best.bin_tokens.max())
     tried = {cap}
@@ -246,7 +131,7 @@ def plan_shared_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarra
             best = min(best, _candidate(s, _atoms(samples, parent, shared, lens, limit), samples, batch, cfg),
                        key=_Candidate.key)
     best = min(best, _candidate(s, singles, samples, batch, cfg), key=_Candidate.key)
-    return _step(s, best, batch, cfg), best.dropped, _why(s, cfg)
+    return _step(s, best, samples, batch, cfg), best.dropped, _why(s, cfg)
 
 
 def _why(s: int, cfg: PlanConfig) -> str:
@@ -254,50 +139,35 @@ def _why(s: int, cfg: PlanConfig) -> str:
             f"dp_size × align = {cfg.dp_size} × {cfg.align} micro-batches")
 
 
-def _singles(samples: np.ndarray, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> list[_Part]:
+def _singles(samples: np.ndarray, lens: np.ndarray) -> TreeCut:
     """One atom per sample, in the step's order (what the plain planner packs)."""
-    out = []
-    for i in samples.tolist():
-        part = _Part()
-        part.add(i, *part.gain(i, parent, shared, lens))
-        out.append(part)
-    return out
+    L = lens[samples].astype(np.int64)
+    return TreeCut(np.arange(samples.size, dtype=np.int64), L, (L * L).astype(np.float64), samples)
 
 
-def _candidate(s: int, atoms: list[_Part], samples: np.ndarray, batch: Batch, cfg: PlanConfig) -> _Candidate:
+def _candidate(s: int, atoms: TreeCut, samples: np.ndarray, batch: Batch, cfg: PlanConfig) -> _Candidate:
     """Pack ``atoms`` with the ordinary fit; each bin gets the trie of its samples' union."""
     cost = cfg.cost
     parent, shared = forest_of(batch)
-    lens = batch.seq_lens
-    pos = {int(i): k for k, i in enumerate(samples.tolist())}
-    a_lens = np.array([p.tokens for p in atoms], dtype=np.int64)
-    a_costs = cost.tree_costs(a_lens, np.array([p.depth_sq for p in atoms], dtype=np.float64))  # type: ignore[union-attr]
-    label = np.array([p.members[0] for p in atoms], dtype=np.int64)   # named in cap refusals
-    a_codes = _components(atoms, batch.rollout_codes[samples], pos)
-    fit = fit_step(s, label, a_lens, a_costs, a_codes, cfg)
+    a_costs = cost.tree_costs(atoms.tokens, atoms.depth_sq)  # type: ignore[union-attr]
+    a_codes = _components(atoms, batch.rollout_codes[samples])
+    fit = fit_step(s, atoms.first, atoms.tokens, a_costs, a_codes, cfg)   # first samples: named in cap refusals
     D, K = cfg.dp_size, fit.micro_count
-    members: list[list[int]] = [[] for _ in range(D * K)]
-    for k, b in zip(fit.kept.tolist(), fit.bin_of.tolist()):
-        members[b].extend(atoms[k].members)
-    kept = np.sort(np.array([i for m in members for i in m], dtype=np.int64))
-    unions = [_union(m, parent, shared, lens) for m in members]   # each bin's trie: tokens, Σ depth²
-    U = np.array([u.tokens for u in unions], dtype=np.float64)
-    D2 = np.array([u.depth_sq for u in unions], dtype=np.float64)
-    counts = np.array([len(m) for m in members], dtype=np.int64)
-    bc = bin_costs(cost, cost.tree_costs(U, D2), U, counts)  # type: ignore[union-attr,arg-type]
+    bin_of_atom = np.full(atoms.tokens.size, -1, dtype=np.int64)
+    bin_of_atom[fit.kept] = fit.bin_of
+    bin_of = bin_of_atom[atoms.atom_of]
+    held = bin_of >= 0
+    kept = np.sort(samples[held])
+    unions = set_tries(parent, shared, batch.seq_lens, samples[held], bin_of[held], D * K)  # each bin's trie
+    U = unions.tokens.astype(np.float64)
+    counts = np.bincount(bin_of[held], minlength=D * K)
+    bc = bin_costs(cost, cost.tree_costs(U, unions.depth_sq), U, counts)  # type: ignore[union-attr,arg-type]
     grid = arrange(bc, D, K)
-    return _Candidate(members, grid, kept, np.setdiff1d(samples, kept), fit, grid_time(bc[grid], cfg.sync), U)
+    dropped = np.sort(samples[~held])
+    return _Candidate(bin_of, grid, kept, dropped, fit, grid_time(bc[grid], cfg.sync), U)
 
 
-def _union(members: list[int], parent: np.ndarray, shared: np.ndarray, lens: np.ndarray) -> _Part:
-    """The trie of ``members`` as a part (its size and Σ depth², as ``prefix.micro_tree`` counts them)."""
-    part = _Part()
-    for i in members:
-        part.add(i, *part.gain(i, parent, shared, lens))
-    return part
-
-
-def _step(s: int, c: _Candidate, batch: Batch, cfg: PlanConfig) -> Step:
+def _step(s: int, c: _Candidate, samples: np.ndarray, batch: Batch, cfg: PlanConfig) -> Step:
     """The chosen candidate as a Step: loss scales, samples in depth-first order per micro-batch."""
     parent, shared = forest_of(batch)
     K = c.fit.micro_count
@@ -306,13 +176,14 @@ def _step(s: int, c: _Candidate, batch: Batch, cfg: PlanConfig) -> Step:
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     scale = np.zeros(batch.num_samples)
     scale[kept] = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
+    held = c.bin_of >= 0
+    trees = micro_trees(parent, shared, batch.seq_lens, samples[held], c.bin_of[held], c.grid.size)
+    orders = dfs_orders(parent, shared, samples[held], c.bin_of[held], c.grid.size)
     micros = []
     for r in range(cfg.dp_size):
         row = []
         for b in c.grid[r].tolist():
-            m = c.members[b]
-            idx = dfs_order(parent, shared, np.array(m, dtype=np.int64)) if m else np.zeros(0, dtype=np.int64)
-            row.append(_micro(idx, batch, scale, r, micro_tree(parent, shared, batch.seq_lens, m) if m else None))
+            row.append(_micro(orders[b], batch, scale, r, trees[b] if orders[b].size else None))
         micros.append(row)
     return Step(s, micros, kept, choice=c.fit.choice)
 
