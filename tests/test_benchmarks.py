@@ -221,3 +221,13 @@ def test_measured_case_with_a_known_machine():
     assert list(targets) == ["sim/grpo-longtail/4"] and targets["sim/grpo-longtail/4"]["lowest"]
     assert targets["sim/grpo-longtail/4"]["step_pred_error_median"] < 1e-12
     assert "microplan-metered" in bm.format_table(summary)
+
+
+def test_bench_share_speed_row():
+    """bench_share_speed: one small chain, both plans, the primitives timed, the sharing plan holding
+    the chain's trie (its last sample) per micro-batch at most."""
+    from benchmarks import bench_share_speed as bs
+    row = bs.time_case("chain 40", bs.chain(40), 1, 1, dense_7b_cost())
+    assert set(row["median_ms"]) == {"share", "no-share"} and row["ratio"] > 0
+    assert set(row["primitives_ms"]) == {"cut_trees", "set_tries", "set_tries_x8", "micro_tree_all", "micro_trees"}
+    assert row["tokens"]["share"] < row["tokens"]["no-share"]

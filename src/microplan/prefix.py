@@ -26,7 +26,6 @@ for N tokens — 2,048 samples holding 8M tokens in ~3 s here.
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +34,7 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "sample_forest"]
+__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "dfs_orders", "sample_forest"]
 
 
 @dataclass(frozen=True)
@@ -89,49 +88,58 @@ class PrefixTree:
 
 
 def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray) -> PrefixTree:
-    """The trie the samples ``members`` form under the forest (``parent``, ``shared``, ``lens``)."""
-    need: dict[int, int] = {}
-    heap: list[int] = []
-    for i in np.asarray(members, dtype=np.int64).tolist():
-        if i not in need:
-            heapq.heappush(heap, -i)
-        need[i] = int(lens[i])
-    while heap:
-        a = -heapq.heappop(heap)
-        p = int(parent[a])
-        if p < 0:
-            continue
-        r = min(need[a], int(shared[a]))
-        if r <= 0:
-            continue
-        if p not in need:
-            need[p] = r
-            heapq.heappush(heap, -p)
-        elif r > need[p]:
-            need[p] = r
-    start_of = lambda a: int(shared[a]) if parent[a] >= 0 else 0  # noqa: E731
-    owners = sorted(a for a, n in need.items() if n > start_of(a))
+    """The trie the samples ``members`` form under the forest (``parent``, ``shared``, ``lens``).
+
+    O(|S| + ancestors) plus a sort of the touched samples: the samples whose tokens the members
+    reach (each member climbs until a sample already reached), then ``need`` flows up once in
+    descending sample order (parents are earlier, so children come first)."""
+    mem = sorted(set(np.asarray(members, dtype=np.int64).tolist()))
+    if not mem:
+        z = np.zeros(0, dtype=np.int64)
+        return PrefixTree(z, z, z, z, z, z)
+    arr = np.asarray(mem, dtype=np.int64)
+    L = lens[arr].tolist()
+    need: dict[int, int] = dict(zip(mem, L))
+    up: dict[int, int] = {}            # touched sample -> its parent, where it shares tokens with it
+    start_of: dict[int, int] = {}      # each touched sample's segment start (s_a, or 0 for a root)
+    for i, p, s in zip(mem, parent[arr].tolist(), shared[arr].tolist()):
+        a = i
+        while True:
+            start_of[a] = s if p >= 0 else 0
+            if p < 0 or s <= 0:
+                break
+            up[a] = p
+            if p in start_of or p in need:   # reached: its own climb is done (or will be)
+                break
+            a = p
+            p, s = int(parent[a]), int(shared[a])
+    for a in sorted(start_of, reverse=True):   # children (later samples) before parents
+        p = up.get(a, -1)
+        if p >= 0:
+            r = min(need.get(a, 0), start_of[a])
+            if r > need.get(p, 0):
+                need[p] = r
+    owners = sorted(a for a, st in start_of.items() if need.get(a, 0) > st)
     pos = {a: k for k, a in enumerate(owners)}
     par, start, end = [], [], []
     for a in owners:
-        s = start_of(a)
+        s = start_of[a]
         q = -1
         if s > 0:  # the segment continues the canonical owner of position s - 1 on a's path
-            q, t = int(parent[a]), s - 1
-            while t < start_of(q):
-                q = int(parent[q])
+            q, t = up[a], s - 1
+            while t < start_of[q]:
+                q = up[q]
         par.append(pos[q] if q >= 0 else -1)
         start.append(s)
         end.append(need[a])
-    mem = sorted(set(np.asarray(members, dtype=np.int64).tolist()))
     anchor = []
-    for i in mem:  # the segment holding the member's last token
-        q, t = i, int(lens[i]) - 1
-        while t < start_of(q):
-            q = int(parent[q])
+    for i, n in zip(mem, L):  # the segment holding the member's last token
+        q, t = i, n - 1
+        while t < start_of[q]:
+            q = up[q]
         anchor.append(pos[q])
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
-    return PrefixTree(i64(owners), i64(par), i64(start), i64(end), i64(mem), i64(anchor))
+    return PrefixTree(i64(owners), i64(par), i64(start), i64(end), arr, i64(anchor))
 
 
 def forest_of(batch: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -144,12 +152,15 @@ def forest_of(batch: Any) -> tuple[np.ndarray, np.ndarray]:
 
 def sample_forest(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> tuple[list[int], dict[int, list[int]]]:
     """(roots, children) of ``samples`` under their nearest ancestor in the set (through a positive
-    shared prefix), children in sample order."""
-    members = set(np.asarray(samples, dtype=np.int64).tolist())
+    shared prefix), children in sample order. O(|S| + ancestors climbed)."""
+    mem = sorted(set(np.asarray(samples, dtype=np.int64).tolist()))
+    members = set(mem)
+    arr = np.asarray(mem, dtype=np.int64)
     children: dict[int, list[int]] = {}
     roots: list[int] = []
-    for i in sorted(members):
-        a = int(parent[i]) if shared[i] > 0 else -1
+    for i, a, s in zip(mem, parent[arr].tolist() if mem else [], shared[arr].tolist() if mem else []):
+        if s <= 0:
+            a = -1
         while a >= 0 and a not in members:
             a = int(parent[a]) if shared[a] > 0 else -1
         if a >= 0:
@@ -161,15 +172,54 @@ def sample_forest(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -
 
 def dfs_order(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> np.ndarray:
     """``samples`` in depth-first pre-order of the forest (children by sample index), so every
-    subtree is contiguous and samples sharing long prefixes sit together."""
+    subtree is contiguous and samples sharing long prefixes sit together. O(|S| + ancestors)."""
     roots, children = sample_forest(parent, shared, samples)
+    if not children:
+        return np.asarray(roots, dtype=np.int64)
     out: list[int] = []
     stack = roots[::-1]
     while stack:
         i = stack.pop()
         out.append(i)
-        stack.extend(children.get(i, [])[::-1])
+        kids = children.get(i)
+        if kids:
+            stack.extend(kids[::-1])
     return np.asarray(out, dtype=np.int64)
+
+
+def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
+               num_sets: int) -> list[np.ndarray]:
+    """``[dfs_order(parent, shared, set k) for k in range(num_sets)]``: sets whose sample forest
+    is one level deep (a root and samples hanging from it, or from a root outside the set: GRPO
+    micro-batches) in one sort by (set, root, sample); the others one by one. O(M log M)."""
+    members, set_of = np.asarray(members, dtype=np.int64), np.asarray(set_of, dtype=np.int64)
+    n = parent.size
+    key = np.sort(set_of * n + members)
+    key = key[np.concatenate([[True], key[1:] != key[:-1]])] if key.size else key
+    sets, x = key // n, key % n
+    ep = np.where((parent >= 0) & (shared > 0), parent, -1)
+    p1 = ep[x]
+    held = np.zeros(x.size, dtype=bool)                              # p1 is in the same set
+    pos = np.searchsorted(key, sets * n + np.maximum(p1, 0))
+    held[p1 >= 0] = key[np.minimum(pos, key.size - 1)][p1 >= 0] == (sets * n + p1)[p1 >= 0]
+    p2 = np.where(p1 >= 0, ep[np.maximum(p1, 0)], -1)
+    root = (p1 < 0) | (~held & (p2 < 0))                             # nothing above it in the set
+    slow = ~held & ~root                                             # an outside sample in between
+    parent_in = np.where(held, pos, 0)
+    slow |= held & ~root[parent_in]                                  # two levels deep
+    bad = np.zeros(num_sets, dtype=bool)
+    bad[sets[slow]] = True
+    top = np.where(root, x, p1)
+    o = np.lexsort((x, top, sets))
+    sets_o, x_o = sets[o], x[o]
+    cut = np.searchsorted(sets_o, np.arange(num_sets + 1))
+    out = []
+    for k in range(num_sets):
+        if bad[k]:
+            out.append(dfs_order(parent, shared, x_o[cut[k]:cut[k + 1]]))
+        else:
+            out.append(x_o[cut[k]:cut[k + 1]])
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
