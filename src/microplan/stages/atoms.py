@@ -127,28 +127,26 @@ def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:
     singles = set_tries(ctx.parent, ctx.shared, ctx.batch.seq_lens, g[loose], np.arange(int(loose.sum())),
                         int(loose.sum()), multiple=ctx.fp.padding.sample_multiple)
     return TreeCut(atom_of, np.concatenate([cut.tokens[keep], singles.tokens]),
-                   np.concatenate([cut.depth_sq[keep], singles.depth_sq]))
+                   np.concatenate([cut.depth_sq[keep], singles.depth_sq]), np.concatenate([cut.first[keep], g[loose]]))
 
 
 def _components(members: np.ndarray, ptr: np.ndarray, rollout_codes: np.ndarray) -> np.ndarray:
-    """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts)."""
+    """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts).
+
+    Label propagation over the bipartite atom–rollout graph: an atom takes the least label of its
+    rollouts, a rollout the least label of its atoms, until nothing changes (a rollout is rarely cut
+    over atoms, so this settles in one or two rounds). O(members) numpy per round."""
     codes = rollout_codes[members]
     A = ptr.size - 1
     atom = np.repeat(np.arange(A), np.diff(ptr))
-    first = np.full(A, np.iinfo(np.int64).max, dtype=np.int64)
-    np.minimum.at(first, atom, codes)
-    if np.array_equal(first[atom], codes):  # every atom holds whole rollouts of one code: no joins
-        return first
-    boss = {int(c): int(c) for c in np.unique(codes).tolist()}
-
-    def find(c: int) -> int:
-        while boss[c] != c:
-            boss[c] = boss[boss[c]]
-            c = boss[c]
-        return c
-
-    for a, c in zip(atom.tolist(), codes.tolist()):
-        x, y = find(int(first[a])), find(c)
-        if x != y:
-            boss[max(x, y)] = min(x, y)
-    return np.array([find(int(c)) for c in first.tolist()], dtype=np.int64)
+    uniq, inv = np.unique(codes, return_inverse=True)
+    label = uniq.astype(np.int64).copy()          # per rollout code
+    big = np.iinfo(np.int64).max
+    while True:
+        per_atom = np.full(A, big, dtype=np.int64)
+        np.minimum.at(per_atom, atom, label[inv])
+        new = label.copy()
+        np.minimum.at(new, inv, per_atom[atom])
+        if np.array_equal(new, label):
+            return per_atom
+        label = new

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..prefix import dfs_order, micro_tree
+from ..prefix import dfs_orders
+from ..trie import micro_trees
 from ..types import Micro, Step
 from .context import PlanContext
 from .micros import binned_micros
@@ -52,20 +53,22 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
             micros.append([trusted(*parts[g], cp, 0, (r,), footprint=mfp) if parts[g][0].size else ph
                            for g in lay.grid[r].tolist()])
         return Step(s, micros, kept, choice=lay.choice)
+    nb = D * K
+    orders = dfs_orders(ctx.parent, ctx.shared, kept, sbin, nb)   # every bin's samples, depth-first
+    trees = micro_trees(ctx.parent, ctx.shared, b.seq_lens, kept, sbin, nb)
     micros = []
+    empty = _empty_parts()
     for r in range(D):
-        row = []
+        row, ph = [], None
         for g in lay.grid[r].tolist():
-            idx = parts[g][0]
-            if not idx.size:
-                row.append(trusted(*parts[g], cp, 0, (r,), footprint=mfp))
+            dfs = orders[g]
+            if not dfs.size:
+                ph = ph or trusted(*empty, cp, 0, (r,), footprint=mfp)
+                row.append(ph)
                 continue
-            dfs = dfs_order(ctx.parent, ctx.shared, idx)
-            at = np.searchsorted(kept, dfs)
-            cols = [dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[at].astype(np.float64)]
+            cols = [dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[np.searchsorted(kept, dfs)].astype(np.float64)]
             for c in cols:
                 c.setflags(write=False)
-            tree = micro_tree(ctx.parent, ctx.shared, b.seq_lens, dfs)
-            row.append(trusted(*cols, cp, 0, (r,), tree, footprint=mfp))
+            row.append(trusted(*cols, cp, 0, (r,), trees[g], footprint=mfp))
         micros.append(row)
     return Step(s, micros, kept, choice=lay.choice)
