@@ -190,7 +190,7 @@ def test_padded_short_step_drop_keeps_a_prefix():
     (dict(pad_to_multiple_of=2 ** 21), "2\\*\\*20"),
     (dict(max_vision_tokens_per_micro=0), "max_vision_tokens_per_micro=0 must be >= 1"),
     (dict(vision_cost=3.0), "VisionCost"),
-    (dict(pad_to_multiple_of=4, context_parallel=mp.ContextParallel(max_size=2)), "dynamic context parallel"),
+    (dict(layout="padded", context_parallel=mp.ContextParallel(max_size=2)), "dynamic context parallel"),
     (dict(pad_to_multiple_of=4, pad_row_to_multiple_of=6, context_parallel=mp.ContextParallel(size=2)),
      "must be a multiple of pad_to_multiple_of=4; use 12"),
 ])

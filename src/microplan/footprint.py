@@ -267,14 +267,16 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     cp = config.context_parallel
     if config.max_tokens_per_micro is None:
         return  # static batching has no token cap
-    if not tokens or (cp is not None and cp.dynamic):  # dynamic CP sizes groups to the sample (stages/cp.py)
+    if not tokens:
         return _check_vision(fp, config)
-    cap = config.max_tokens_per_micro * config.static_cp_size
+    dyn = cp is not None and cp.dynamic  # dynamic CP: a sample may take up to max_size GPUs (stages/cp.py)
+    width = int(cp.max_size) if dyn else config.static_cp_size  # type: ignore[union-attr]
+    cap = config.max_tokens_per_micro * width
     alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
     if alone.size and int(alone.max()) > cap:
         j = int(np.argmax(alone))
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
-            (f" × cp size {config.static_cp_size} = {cap}" if config.static_cp_size > 1 else "")
+            (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {cap}" if width > 1 else "")
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"

@@ -76,6 +76,8 @@ def k_lower_bound(cfg: PlanConfig, n: int, tokens: int, vision: int = 0) -> int:
         return max(1, -(-n // (cfg.dp_size * cfg.micro_batch_size)), cfg.pipeline_stages)
     cap = packing_cap(cfg)
     assert cap is not None
+    if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
+        cap = cfg.max_tokens_per_micro  # a group of w GPUs rounds its row to the multiple within w × cap
     k = max(1, -(-tokens // (cfg.dp_size * cap)))
     if vision and cfg.max_vision_tokens_per_micro is not None:
         k = max(k, -(-vision // (cfg.dp_size * cfg.max_vision_tokens_per_micro)))

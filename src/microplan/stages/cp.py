@@ -50,18 +50,19 @@ from .weigh import loss_coefficients, loss_scales
 __all__ = ["plan_dynamic_cp_step", "cp_degrees"]
 
 
-def gpu_cap(cfg: PlanConfig) -> int:
-    """Tokens one GPU may hold, lowered to the row multiple (a group of w GPUs then holds a row
-    rounded up to the multiple within w × cap)."""
+def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
+    """Tokens a CP group of ``width`` GPUs may hold before its row is rounded up to the row
+    multiple: ⌊width · cap / r⌋ · r (then the padded row is within width × cap)."""
     r = cfg.pad_row_to_multiple_of
-    return int(cfg.max_tokens_per_micro) // r * r  # type: ignore[arg-type]
+    return (np.asarray(width) * int(cfg.max_tokens_per_micro)) // r * r  # type: ignore[arg-type]
 
 
 def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig) -> np.ndarray:
     """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
     what each sample occupies, its padding included)."""
-    cap, cmax = gpu_cap(cfg), cfg.context_parallel.max_size  # type: ignore[union-attr]
-    need = -(-lens // cap)  # type: ignore[operator]
+    cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
+    r = cfg.pad_row_to_multiple_of
+    need = -(-(-(-lens // r) * r) // cap)  # type: ignore[operator]  # GPUs for the row rounded to r
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
     deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
     if lens.size and deg.max() > cmax:
@@ -137,7 +138,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
          extra: tuple[np.ndarray, int] | None = None) -> _Layout | None | str:
     """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty.
     ``extra``: (vision tokens, vision cap per micro-batch) every group keeps."""
-    D, cap = cfg.dp_size, gpu_cap(cfg)
+    D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
@@ -161,7 +162,8 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
         if extra is not None:  # long samples' vision tokens already sit in their groups
             ex, x0 = (extra[0][short], extra[1]), np.zeros(nb, dtype=np.int64)
             x0[: long.size] = extra[0][long]
-        sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0)
+        sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0,
+                           room=group_room(width, cfg))
         if sb is None:
             return None
         bin_of[short] = sb
@@ -204,7 +206,7 @@ def _arrange(width: np.ndarray, load: np.ndarray, D: int, K: int) -> list[list[t
 def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
     """Lower bound on K: GPU-slots for the tokens and for the long samples' groups (and the
     pipeline stages), aligned."""
-    D, cap = cfg.dp_size, gpu_cap(cfg)
+    D, cap = cfg.dp_size, cfg.max_tokens_per_micro
     gpu_slots = max(_cdiv(int(lens.sum()), cap), int(deg[deg > 1].sum()), 1)  # type: ignore[arg-type]
     return int(min_micro_count(_cdiv(gpu_slots, D), cfg))
 

@@ -47,21 +47,23 @@ def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | 
 
 def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, cap: int | None, *,
                   load: np.ndarray | None = None, tokens: np.ndarray | None = None,
-                  extra: Extra | None = None, extra_load: np.ndarray | None = None) -> np.ndarray | None:
+                  extra: Extra | None = None, extra_load: np.ndarray | None = None,
+                  room: np.ndarray | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
     already placed on a context-parallel group); they are updated in place. Empty bins are
     filled first, so every bin with zero starting tokens ends non-empty when there are at least
     as many samples as such bins. ``extra``: a second resource per sample with a per-bin cap
-    (not scaled by width), ``extra_load`` its starting load per bin. Returns the bin of each
+    (not scaled by width), ``extra_load`` its starting load per bin; ``room``: each bin's token
+    capacity when it is not width·cap (a row multiple). Returns the bin of each
     sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
     order = np.argsort(-costs, kind="stable")
     load_c = np.zeros(B, dtype=np.float64) if load is None else load
     load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
-    room_t = None if cap is None else width * cap
+    room_t = None if cap is None else width * cap if room is None else room
     ex, ex_cap = extra if extra is not None else (None, 0)
     load_x = np.zeros(B, dtype=np.int64) if extra_load is None else extra_load.astype(np.int64)
     inv_w = 1.0 / width

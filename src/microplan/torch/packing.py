@@ -272,7 +272,7 @@ class PackedMicro:
             raise PlanError("position_ids must count up by 1 within each segment.")
         segs = self.seq_lens[:-1] if self.row_pad else self.seq_lens
         mult, r = self.pad_to_multiple_of, self.pad_row_to_multiple_of
-        if any(n % mult for n in segs) or T % r or (self.row_pad and self.row_pad != self.seq_lens[-1]) \
+        if self.cp is None and any(n % mult for n in segs) or T % r or (self.row_pad and self.row_pad != self.seq_lens[-1]) \
                 or self.row_pad >= r:
             raise PlanError(f"a tree row's segments {list(self.seq_lens)} must each be a multiple of "
                             f"pad_to_multiple_of={mult}, and the row (T={T}) a multiple of pad_row_to_multiple_of={r} "
