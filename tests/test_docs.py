@@ -15,9 +15,10 @@ Conventions, written in the markdown as an HTML comment on the line right before
 A page's runnable blocks run in order in ONE fresh Python process, its cwd a fresh temp dir,
 importing microplan from this tree; tracebacks point at the markdown lines. Output and time are
 bounded (a sample must not print megabytes). A block that imports an optional extra (torch,
-transformers, verl, trl, tensordict) that is not installed is skipped visibly — with the
-install command, through ``pytest.importorskip`` — together with the blocks that continue it;
-the page's other blocks still run first. The number of blocks found may not drop below today's,
+transformers, verl, trl, tensordict) that is not installed is left out together with the blocks
+that continue it, the page's other blocks still run first, and then the test FAILS naming the
+install command (``tests/_require.py``): the README's test command installs every one of them,
+so a missing one is a broken install, never a skip. The number of blocks found may not drop below today's,
 so a broken fence regex cannot make this test vacuous.
 """
 
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import pytest
 from _examples import EXAMPLES_DIR, RUN_BY_SUITE
+from _require import require
 
 import microplan
 from microplan.integrations.verl import INSTALL_HINT
@@ -140,7 +142,7 @@ def _fragment_names(code: str, torch_api: set[str]) -> set[str]:
 @pytest.mark.parametrize("block", FRAGMENTS, ids=lambda b: b.label)
 def test_fragment_compiles_and_an_example_runs_it(block: Block) -> None:
     compile(block.code, block.label, "exec")
-    mt = pytest.importorskip("microplan.torch", reason=f"torch is not installed; install it with: {EXTRAS['torch']}")
+    mt = require("microplan.torch")
     path = ROOT / block.fragment
     assert path.parent == EXAMPLES_DIR and path.is_file(), f"{block.label}: {block.fragment} does not exist"
     assert path.name in RUN_BY_SUITE, f"{block.label}: {block.fragment} is not run by the suite (tests/_examples.py)"
@@ -202,5 +204,4 @@ def test_page_samples_run(page: str, tmp_path: Path) -> None:
     assert size <= MAX_OUTPUT_CHARS, f"{page}: the samples print {size} characters (at most {MAX_OUTPUT_CHARS})"
     if skipped:
         extra = skipped[min(skipped)]
-        pytest.importorskip(extra, reason=f"{page} blocks {sorted(skipped)} need {extra}; install it with: "
-                                          f"{EXTRAS[extra]}")
+        require(extra, f"{EXTRAS[extra]} (blocks {sorted(skipped)} of {page} need it)")
