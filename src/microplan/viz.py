@@ -46,7 +46,7 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]' (or leave out --png).") from None
+        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]'.") from None
     return Figure
 
 
