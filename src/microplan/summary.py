@@ -155,9 +155,11 @@ def _choice_step(plan: Plan) -> Any:
                 steps[0])
 
 
-def why_k(choice: KChoice, cfg: Any, unit: CostUnit) -> str:
-    """Why a step runs K micro-batches per rank, in plain words (no ``inf``)."""
+def why_k(choice: KChoice, cfg: Any, unit: CostUnit, k_lb: int | None = None) -> str:
+    """Why a step runs K micro-batches per rank, in plain words (no ``inf``); ``k_lb``: the step's
+    K_lb as the stats report it (the choice's bound is K_lb rounded up to ``align``)."""
     K, K0 = choice.micro_count, choice.lower_bound
+    low = f"K_lb = {K0}" if k_lb in (None, K0) else f"K_lb {k_lb} rounded up to align {cfg.align} = {K0}"
     finite = [(k, t) for k, t in choice.candidates if np.isfinite(t)]
     unpacked = sorted(k for k, t in choice.candidates if not np.isfinite(t))
     cap = f"the {cfg.max_tokens_per_micro:,}-token cap" if cfg.max_tokens_per_micro else "the cap"
@@ -166,9 +168,9 @@ def why_k(choice: KChoice, cfg: Any, unit: CostUnit) -> str:
         ks = ", ".join(map(str, unpacked))
         no_fit = f"with K = {ks} no packing of the step's whole samples under {cap} was found"
     if K == K0 and len(finite) <= 1:
-        return f"K = {K} = K_lb: the fewest micro-batches per rank the cap allows, and the samples pack into them."
+        return f"K = {K}, {low}: the fewest micro-batches per rank the cap allows, and the samples pack into them."
     if len(finite) <= 1:
-        return (f"K = {K}, {K - K0} more than K_lb = {K0}: {no_fit} (K_lb counts tokens only; whole samples "
+        return (f"K = {K}, {K - K0} more than {low}: {no_fit} (K_lb counts tokens only; whole samples "
                 f"leave gaps in the micro-batches).")
     digits = next((d for d in range(4, 8) if len({sig(t, d) for _, t in finite}) == len({t for _, t in finite})), 8)
     tried = ", ".join(f"K = {k}: {_amount(t, unit, digits)}" for k, t in finite)
@@ -176,7 +178,7 @@ def why_k(choice: KChoice, cfg: Any, unit: CostUnit) -> str:
            "micro-batches can be faster." if getattr(cfg.cost, "dense", False) else
            " In a padded layout, more micro-batches pad less." if cfg.layout != "varlen" else "")
     rest = f"; {no_fit}" if no_fit else ""
-    return f"K = {K} (K_lb = {K0}) has the lowest predicted step time of the K tried ({tried}){rest}.{why}"
+    return f"K = {K} ({low}) has the lowest predicted step time of the K tried ({tried}){rest}.{why}"
 
 
 def _dropped_lines(plan: Plan) -> list[str]:
@@ -200,7 +202,7 @@ def _step_table(plan: Plan, padded: bool) -> list[str]:
         row = (f"  {i:5d} {s.num_samples:9,} {sig(s.num_tokens):>9} {s.micro_count:5d} {s.micro_count_lower_bound:5d} "
                f"{s.max_micro_tokens:12,} {s.lockstep_time / lb:12.3f} {s.step_sync_time / lb:13.3f} "
                f"{s.num_placeholders:13d}")
-        rows.append(row + (f" {sig(s.tokens_with_sharing - s.num_tokens):>9}" if padded else ""))
+        rows.append(row + (f" {s.tokens_with_sharing - s.num_tokens:9,}" if padded else ""))
     if len(shown) < len(ss):
         rows.append(f"  ... {len(ss) - len(shown)} more steps")
     return rows
@@ -252,7 +254,8 @@ def format_summary(plan: Plan) -> str:
     lines.append(_row("placeholders", f"{st.num_placeholders} empty micro-batch{'es' if st.num_placeholders != 1 else ''}"))
     pick = _choice_step(plan)
     if pick is not None:
-        lines.append(_row(f"why K (step {pick.index})", why_k(pick.choice, cfg, unit)))
+        k_lb = st.steps[pick.index].micro_count_lower_bound
+        lines.append(_row(f"why K (step {pick.index})", why_k(pick.choice, cfg, unit, k_lb)))
     lines.append(_row("dropped", f"{st.num_dropped:,} of {st.num_samples:,} samples"))
     lines += _dropped_lines(plan)
     if st.steps:
