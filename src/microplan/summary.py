@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .types import KChoice
 
-__all__ = ["format_summary", "describe_batch", "cost_unit", "CostUnit", "sig", "short_repr", "LEGEND"]
+__all__ = ["format_summary", "describe_batch", "cost_unit", "CostUnit", "sig", "count", "short_repr", "LEGEND"]
 
 _MAX_TABLE_ROWS = 12
 _LABEL = 23  # width of the left column
@@ -88,6 +88,11 @@ def sig(x: float, digits: int = 4) -> str:
     return _fixed(x, digits)
 
 
+def count(n: int) -> str:
+    """A whole count (tokens, samples): exact below 10,000, else 4 significant figures."""
+    return f"{int(n):,}" if abs(n) < 10_000 else sig(n)
+
+
 def _fixed(v: float, digits: int) -> str:
     """``v`` to ``digits`` significant figures, trailing zeros kept (no exponent for 1e-4 <= |v| < 1e4)."""
     text = f"{v:#.{digits}g}"
@@ -109,7 +114,7 @@ def describe_batch(batch: Batch) -> str:
     p50, p90 = (int(np.quantile(s, q)) for q in (0.5, 0.9))
     at_max = int((s == s.max()).sum())
     return (f"{batch.num_samples:,} samples, {batch.num_prompts:,} prompts, {batch.num_rollouts:,} rollouts, "
-            f"{sig(batch.total_tokens)} tokens; seq_len median {p50:,} · p90 {p90:,} · max {int(s.max()):,} "
+            f"{count(batch.total_tokens)} tokens; seq_len median {p50:,} · p90 {p90:,} · max {int(s.max()):,} "
             f"({at_max:,} at the max)")
 
 
@@ -199,7 +204,7 @@ def _step_table(plan: Plan, padded: bool) -> list[str]:
     shown = ss if len(ss) <= _MAX_TABLE_ROWS else ss[: _MAX_TABLE_ROWS - 2]
     for i, s in enumerate(shown):
         lb = s.time_lower_bound or 1.0
-        row = (f"  {i:5d} {s.num_samples:9,} {sig(s.num_tokens):>9} {s.micro_count:5d} {s.micro_count_lower_bound:5d} "
+        row = (f"  {i:5d} {s.num_samples:9,} {count(s.num_tokens):>9} {s.micro_count:5d} {s.micro_count_lower_bound:5d} "
                f"{s.max_micro_tokens:12,} {s.lockstep_time / lb:12.3f} {s.step_sync_time / lb:13.3f} "
                f"{s.num_placeholders:13d}")
         rows.append(row + (f" {s.tokens_with_sharing - s.num_tokens:9,}" if padded else ""))
@@ -275,6 +280,7 @@ def short_repr(plan: Plan) -> str:
     kind = ", kind='forward'" if plan.kind == "forward" else ""
     lb = st.time_lower_bound
     ratio = f" = {st.predicted_time / lb:.3f}× lower bound" if lb > 0 else ""
-    return (f"<Plan{kind}: {st.num_steps} steps × dp {cfg.dp_size}, {st.num_samples:,} samples "
+    steps = f"{st.num_steps} step{'s' if st.num_steps != 1 else ''}"
+    return (f"<Plan{kind}: {steps} × dp {cfg.dp_size}, {st.num_samples:,} samples "
             f"({st.num_dropped:,} dropped), {st.micro_count} micro-batches per rank (K_lb {st.micro_count_lower_bound}), "
             f"predicted {_amount(st.predicted_time, unit)}{ratio}; print(plan.summary()) for more>")
