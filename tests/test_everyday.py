@@ -244,3 +244,16 @@ def test_examples_print_their_result_first_and_grammar() -> None:
     assert "on {world} ranks\"" not in src and "rank{'s' if world != 1 else ''}" in src
     cmd = shlex.split(_readme_commands()[1].split("&&")[-1])
     assert cmd[:3] == ["python", "-m", "pytest"]
+
+
+def test_a_missing_installed_package_fails_the_run_with_the_install_line(tmp_path: Path) -> None:
+    """trl hidden behind a package that cannot be imported: the module errors (exit != 0), never skips."""
+    fake = tmp_path / "fake" / "trl"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text('raise ImportError("simulated broken install")\n')
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(fake.parent), str(ROOT / "src")]))
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "--co", "-p", "no:cacheprovider",
+                          "tests/test_integration_trl.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0 and "skipped" not in out.stdout, out.stdout[-2000:]
+    assert 'the README\'s test command installs it: pip install torch==2.13.0 -e ".[test,verl,trl]"' in out.stdout
