@@ -109,8 +109,8 @@ def test_summary_counts_placeholders_and_repr_fits_a_screen() -> None:
 
 
 def test_sig_keeps_significant_figures() -> None:
-    assert [sig(x) for x in (1_100_000, 1_098_091, 999.96, 14942, 0.25, 0)] == \
-        ["1.100M", "1.098M", "1.000k", "14.94k", "0.2500", "0"]
+    assert [sig(x) for x in (1_100_000, 1_098_091, 999.96, 14942, 0.25, 0, 8.4716e15)] == \
+        ["1.100M", "1.098M", "1.000k", "14.94k", "0.2500", "0", "8.472P"]
 
 
 # -- degenerate input and errors that point the right way --------------------------------------------

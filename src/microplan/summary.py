@@ -76,13 +76,13 @@ def cost_unit(config: Any) -> CostUnit:
 
 
 def sig(x: float, digits: int = 4) -> str:
-    """``x`` with exactly ``digits`` significant figures and a k/M/G/T suffix: 1100000 → '1.100M'."""
+    """``x`` with exactly ``digits`` significant figures and a k/M/G/T/P/E suffix: 1100000 → '1.100M'."""
     if x != x or x in (float("inf"), float("-inf")):
         return "n/a"
     if x == 0:
         return "0"
     a = abs(x)
-    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+    for scale, suffix in ((1e18, "E"), (1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
         if a >= scale * (1 - 0.5 * 10 ** -digits):
             return _fixed(x / scale, digits) + suffix
     return _fixed(x, digits)
