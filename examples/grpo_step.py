@@ -91,7 +91,7 @@ def train(rank: int, world: int) -> None:
     if rank == 0:
         print(f"{batch.num_samples} samples, {sum(batch.seq_lens)} tokens; plan {plan.fingerprint()[:16]} "
               f"({len(plan.steps)} steps, K = {[s.micro_count for s in plan.steps]}, "
-              f"{sum(s.num_placeholders for s in plan.steps)} placeholders) on {world} ranks", flush=True)
+              f"{sum(s.num_placeholders for s in plan.steps)} placeholders) on {world} rank{'s' if world != 1 else ''}", flush=True)
 
     for s, micros in enumerate(plan.rank(rank)):
         packs = [pack_micro(m, tokens) for m in micros]  # placeholders → valid 1-token, weight-0 rows

@@ -91,26 +91,26 @@ def main() -> None:
                         loss=mp.Loss("token-mean"))
     plan = mp.plan(batch, cfg)  # once, on the driver
     plan.validate()
-    orders = []
-    print(f"plan {plan.fingerprint()[:12]}: {batch.num_samples} samples, {len(plan.steps)} steps, "
-          f"{batch.total_tokens} tokens, cap {CAP}/GPU")
-    print("worker  micro-batches per step  placeholders  max tokens/micro  samples shipped")
+    orders, table = [], []
     for r in range(WORKERS):
         steps = plan.rank(r)
         need = sorted({int(i) for micros in steps for m in micros for i in m.indices})
         orders.append(WorkOrder(r, steps, {i: toks[i] for i in need}, {i: adv[i] for i in need}))
         ph = sum(m.is_placeholder for micros in steps for m in micros)
         top = max(m.num_tokens for micros in steps for m in micros)
-        print(f"{r:>6}  {str([len(m) for m in steps]):>22}  {ph:>12}  {top:>16}  {len(need):>15}")
+        table.append(f"{r:>6}  {str([len(m) for m in steps]):>22}  {ph:>12}  {top:>16}  {len(need):>15}")
     with mp_proc.get_context("fork").Pool(WORKERS) as pool:
         results = pool.map(worker, orders)
-    for s, step in enumerate(plan.steps):
+    for s, step in enumerate(plan.steps):  # the result first: each step's gradient against the reference
         avg = [sum(res[s][k] for res in results) / WORKERS for k in range(len(results[0][s]))]
         want = reference(step.samples, batch, toks, adv)
         err = max(float((a - w).abs().max()) for a, w in zip(avg, want))
         assert err < 1e-12, f"step {s}: averaged worker gradient differs from the reference by {err}"
         print(f"OK step {s}: mean of {WORKERS} worker gradients = reference ∇J (max diff {err:.1e})")
-
+    print(f"plan {plan.fingerprint()[:12]}: {batch.num_samples} samples, {len(plan.steps)} steps, "
+          f"{batch.total_tokens} tokens, cap {CAP}/GPU")
+    print("worker  micro-batches per step  placeholders  max tokens/micro  samples shipped")
+    print("\n".join(table))
 
 if __name__ == "__main__":
     main()

@@ -61,10 +61,14 @@ def expected_split(pc: np.ndarray, rc: np.ndarray, steps: mp.Steps | None) -> tu
     if steps.prompts_per_step is not None:
         p = steps.prompts_per_step
         full = P // p
+        if full == 0:
+            raise ExpectedError("no step forms: every sample would be dropped")
         out = [np.flatnonzero(pc // p == s) for s in range(full)]
         return out, set(np.flatnonzero(pc >= full * p).tolist())
     r = steps.rollouts_per_step
     full = R // r
+    if full == 0:
+        raise ExpectedError("no step forms: every sample would be dropped")
     bucket = np.minimum(rc // r, full)  # `full` = the dropped tail
     for prompt in range(P):
         if np.unique(bucket[pc == prompt]).size > 1:

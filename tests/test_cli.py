@@ -126,7 +126,14 @@ def test_format_summary_is_reusable() -> None:
     (["trace", "nope", "{tmp}/x.jsonl"], "invalid choice: 'nope'"),
     (["trace", "bimodal", "{tmp}/x.jsonl", "--prompt-len", "99999"], "prompt_len upper bound 99999"),
     (["trace", "bimodal", "{tmp}/x.jsonl", "--prompt-len", "a,b"], "must be N or LO,HI"),
-    (["validate", "{trace}"], "trace.jsonl: plan is not valid JSON"),
+    (["validate", "{trace}"], "trace.jsonl: this is a batch file (JSONL, one sample per line), not a plan; plan it "
+                              "with 'microplan plan"),
+    (["plan", "{tmp}/trace.txt", "--dp", "2", "--max-tokens", "100"], "trace.txt: no such file"),
+    (["plan", "{trace}", "--dp", "2", "--max-tokens", "9000", "--prompts-per-step", "1000"],
+     "Steps(prompts_per_step=1000) forms no optimizer step: the batch has only 40 prompt groups, so all 160 "
+     "samples would be dropped; set prompts_per_step (CLI --prompts-per-step) to at most 40"),
+    (["plan", "{trace}", "--dp", "2", "--max-tokens", "9000", "--rollouts-per-step", "161"],
+     "Steps(rollouts_per_step=161) forms no optimizer step"),
     (["demo", "--png", "{tmp}/no/such/dir/x.png"], "cannot write the PNG"),
     ([], "the following arguments are required"),
 ])

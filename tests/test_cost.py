@@ -12,6 +12,7 @@ import types
 
 import numpy as np
 import pytest
+from _require import require
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -159,7 +160,7 @@ def test_attribute_style_config_and_round_trip():
 
 
 def test_transformers_config_objects():
-    transformers = pytest.importorskip("transformers")
+    transformers = require("transformers")
     cfg = transformers.LlamaConfig(**{k: v for k, v in LLAMA3_8B.items() if k != "model_type"})
     assert FlopsCost.from_hf_config(cfg) == FlopsCost.from_hf_config(LLAMA3_8B)
     assert FlopsCost.from_hf_config(transformers.DeepseekV3Config()) == FlopsCost.from_hf_config(DEEPSEEK_V3)
@@ -169,8 +170,8 @@ def test_transformers_config_objects():
                          ids=["llama3-8b", "qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3"])
 def test_active_params_match_transformers_meta_model(config):
     """The weights one token touches, counted on the real module tree (meta device: no memory)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch = require("torch")
+    transformers = require("transformers")
     cfg = transformers.AutoConfig.for_model(**config)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)

@@ -194,11 +194,16 @@ def test_every_fault_ends_the_same_on_every_rank(suite: list[dict[str, Any]]) ->
 
 
 def test_unguarded_raise_is_an_error_or_bounded_wait_never_a_silent_hang() -> None:
-    died = run_unguarded(4, stay_alive_s=0, pg_timeout_s=5)
-    alive = run_unguarded(4, stay_alive_s=4, pg_timeout_s=2)
+    """Wall-clock bounds with margins that hold on a loaded 2-core machine: each bound sits several
+    seconds above the expected time and several below the time a broken mechanism would take (the
+    measured figures, ~0.1 s and ~2 s, are benchmarks/bench_faults.py's)."""
+    died = run_unguarded(4, stay_alive_s=0, pg_timeout_s=20)
+    alive = run_unguarded(4, stay_alive_s=10, pg_timeout_s=2)
     print("\n" + format_table([died, alive]))
     for row in (died, alive):
         peers = [e for e, rs in row["ranks"].items() if rs != [BAD]]
         assert peers and all(not e.startswith("ok") for e in peers), row
-    assert died["seconds"] < 2  # the socket closes: peers fail at once
-    assert alive["seconds"] < alive["pg_timeout_s"] + 3  # bounded by the process-group timeout
+    # the socket closes: peers fail at once, not after the 20 s process-group timeout
+    assert died["seconds"] < died["pg_timeout_s"] / 2, died
+    # the 2 s process-group timeout ends the peers, not the failing process exiting after 10 s
+    assert alive["seconds"] < alive["pg_timeout_s"] + 6, alive

@@ -1,7 +1,7 @@
 """microplan.integrations.verl against the REAL verl package (0.9.1): its data types, its tests, its loss.
 
-Skipped, with the install command as the reason, when verl is not importable; CI installs it
-(.ci/run). Three parts:
+Fails, naming the install command, when verl is not importable: the README's test command (and
+.ci/run, the same command) installs it, so a missing verl is a broken install, never a skip. Three parts:
 
 (a) verl's own ``tests/utils/test_seqlen_balancing.py`` cases, ported to the drop-in: every
     round-trip and reconstruction assertion is kept. Where verl asserts that the micro-batch count
@@ -22,9 +22,9 @@ import numpy as np
 import pytest
 import torch
 
-from microplan.integrations.verl import INSTALL_HINT
+from _require import require  # noqa: E402
 
-verl = pytest.importorskip("verl", reason=f"verl is not installed; install it with: {INSTALL_HINT}")
+verl = require("verl")
 
 import microplan as mp  # noqa: E402
 import microplan.integrations.verl as mpv  # noqa: E402
@@ -250,8 +250,7 @@ def test_a_rank_too_short_fails_every_rank_or_pads_explicitly():
 # -- (c) install(), verl's engine helper, exact loss weights ------------------------------------------
 
 def test_install_patches_verl_and_uninstall_restores():
-    pytest.importorskip("verl.workers.engine.utils", reason="verl's engine helpers need peft, accelerate and "
-                        f"datasets (in the 'verl' extra): {INSTALL_HINT}")
+    require("verl.workers.engine.utils")  # needs peft, accelerate and datasets (the 'verl' extra)
     import verl.workers.engine.utils as eu
     from verl.utils import tensordict_utils as tu
     before = {n: getattr(vsb, n) for n in ("rearrange_micro_batches", "restore_dynamic_batch")}

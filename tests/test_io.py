@@ -88,7 +88,7 @@ def test_format_override(tmp_path: Path, batch: mp.Batch) -> None:
     ('5\n', r"line 1: expected a JSON object"),
     ('', r"holds no samples"),
     ('{"seq_len": 5, "prompt_id": 1, "rollout_id": 9}\n{"seq_len": 5, "prompt_id": 2, "rollout_id": 9}\n',
-     r"bad\.jsonl: rollout 9 spans two prompts"),
+     r"bad\.jsonl line 2 \(sample 1, counting from 0\): rollout 9 spans two prompts"),
 ])
 def test_jsonl_errors_name_file_line_field(tmp_path: Path, text: str, match: str) -> None:
     p = tmp_path / "bad.jsonl"
@@ -134,6 +134,7 @@ def test_parquet_without_pyarrow_gives_install_hint(tmp_path: Path, monkeypatch:
             raise ImportError("no pyarrow")
         return real_import(name, *args, **kwargs)
 
+    (tmp_path / "x.parquet").write_bytes(b"PAR1")   # an existing file: a missing one is "no such file"
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
     with pytest.raises(mp.PlanError, match=r"pip install 'microplan\[parquet\]'"):
         read_batch(tmp_path / "x.parquet")

@@ -127,6 +127,18 @@ def test_records_micro_objects_and_cp():
     assert meter.num_records == 2 * plan.steps[0].micro_count
     placeholder = mp.Micro.placeholder()
     meter.record(placeholder, 0.001)                    # a placeholder: one dummy token
+    assert meter.num_records == 2 * plan.steps[0].micro_count + 1
+    twin = mp.CostMeter(prior=mp.FlopsCost(linear=1.0, quadratic=1e-4))   # the same records, the
+    for micro in plan.rank(0)[0]:                                          # placeholder as [1]
+        twin.record(micro, 0.1)
+    twin.record_step(plan.rank(1)[0], [0.1] * len(plan.rank(1)[0]))
+    twin.record([1], 0.001)
+    assert meter.cost() == twin.cost()
+    other = mp.CostMeter(prior=mp.FlopsCost(linear=1.0, quadratic=1e-4))  # ... and it is not ignored
+    for micro in plan.rank(0)[0]:
+        other.record(micro, 0.1)
+    other.record_step(plan.rank(1)[0], [0.1] * len(plan.rank(1)[0]))
+    assert other.cost() != meter.cost()
 
 
 @pytest.mark.parametrize("call, match", [

@@ -334,9 +334,15 @@ def test_fingerprint_changes_with_the_plan():
 @pytest.mark.parametrize("mutate,pattern", [
     (lambda d: d.update(format="other"), "not a microplan plan"),
     (lambda d: d.update(version=999), "version"),
-    (lambda d: d.pop("steps"), "malformed"),
-    (lambda d: d["steps"][0][0][0].update(indices=[10 ** 6]), "names sample"),
-    (lambda d: d["steps"][0][0][0].pop("loss_scale"), "malformed"),
+    (lambda d: d.pop("steps"), "field 'steps' is missing"),
+    (lambda d: d["steps"][0][0][0].update(indices=[10 ** 6]), r"step 0, rank 0, micro-batch 0: field 'indices' holds "
+                                                               r"1000000, but the plan's batch has samples 0\.\."),
+    (lambda d: d["steps"][0][0][0].pop("loss_scale"), "step 0, rank 0, micro-batch 0: field 'loss_scale' is missing"),
+    (lambda d: d["steps"][0][0][0].update(indices=[-1]), "field 'indices' holds -1, but the plan's batch has samples 0"),
+    (lambda d: d["steps"][0][0][0].update(indices=[0.5]), r"field 'indices' holds 0\.5, not a sample index"),
+    (lambda d: d["steps"][0][0][0].update(cp_group=3), "step 0, rank 0, micro-batch 0: field 'cp_group' must be a list"),
+    (lambda d: d["steps"][0][0].__setitem__(0, 7), "step 0, rank 0, micro-batch 0: expected an object"),
+    (lambda d: d.update(dropped=[-1]), r"\(top level\): field 'dropped' holds -1"),
     (lambda d: d["config"].update(dp_size=0), "dp_size"),
     (lambda d: d["batch"].update(seq_lens=[-1] * len(d["batch"]["seq_lens"])), "seq_lens"),
 ])

@@ -226,12 +226,19 @@ def test_real_backends_show_their_regime_on_a_work_clock(impl, regime, monkeypat
     assert res.regime == regime and res.heldout_max_error < 1e-6 and res.r2 > 1 - 1e-9
 
 
-@pytest.mark.parametrize("impl", ["sdpa", "varlen"])
-def test_real_model_timed_end_to_end(impl):
-    """Wall-clock timing of a real model: the loop runs and reports (values depend on the machine)."""
+@pytest.mark.parametrize("impl,regime", [("sdpa", "packed"), ("varlen", None)])
+def test_real_model_timed_end_to_end(impl, regime):
+    """Wall-clock timing of a real model: the loop runs and reports. sdpa over a packed row computes
+    every T² pair, which the wall clock shows whatever the load (4 of 4 runs on the loaded 2-core
+    machine): its regime must be "packed". microplan's varlen attention at this size (T ≤ 512, hidden
+    64) spends its time in per-sample overheads, and the regime the wall clock picks is noise (it
+    came out "packed" in 4 of 4 runs, held-out error 5-13 %): its regime is asserted on the work
+    clock above, not here."""
     run = _llama(register_attention() if impl == "varlen" else impl)
     res = profile_cost(run, max_tokens_per_micro=512, repeats=2, vocab_size=64, device="cpu", time_budget_s=60)
-    assert res.regime in ("varlen", "packed", "linear") and res.num_rows == len(profile_design(512).fit)
+    assert res.num_rows == len(profile_design(512).fit)
+    if regime is not None:
+        assert res.regime == regime, res.cost.describe()
     assert all(math.isfinite(c) and c >= 0 for c in res.cost.coefficients())
     assert res.cost.linear + res.cost.quadratic + res.cost.packed_quadratic > 0
     assert res.heldout_median_error is not None and math.isfinite(res.heldout_median_error)

@@ -65,6 +65,10 @@ def test_prompts_per_step_exact_step_count_and_reported_tail(p):
                 pids.append(q * 11)
                 rids.append(f"{q}-{r}")
     batch = mp.Batch(rng.integers(1, 100, len(pids)), prompt_ids=pids, rollout_ids=rids)
+    if p > P:  # no step forms: every sample would be dropped, a PlanError naming the setting (DESIGN.md)
+        with pytest.raises(mp.PlanError, match=rf"Steps\(prompts_per_step={p}\) forms no optimizer step.*at most {P}"):
+            _plan(batch, mp.Steps(prompts_per_step=p))
+        return
     plan = _plan(batch, mp.Steps(prompts_per_step=p))
     assert len(plan.steps) == P // p
     for s, g in enumerate(_step_prompts(plan, pids)):
@@ -111,11 +115,18 @@ def test_rollouts_per_step_group_cut_by_the_dropped_tail_is_refused():
         _plan(mp.Batch([5] * 5, prompt_ids=pids), mp.Steps(rollouts_per_step=3))
 
 
-def test_fewer_groups_than_one_step_drops_everything_with_reasons():
-    plan = _plan(mp.Batch([5, 6, 7], prompt_ids=[1, 1, 2]), mp.Steps(prompts_per_step=3))
-    assert plan.steps == [] and plan.dropped.tolist() == [0, 1, 2]
-    assert set(plan.drop_reasons) == {0, 1, 2}
-    assert mp.Plan.from_json(plan.to_json()) == plan
+def test_fewer_groups_than_one_step_is_refused_naming_the_setting():
+    """A step size no step can fill would drop every sample: a PlanError naming the setting, the
+    groups the batch has and the CLI flag (was: a plan of zero steps, everything dropped)."""
+    with pytest.raises(mp.PlanError, match=r"Steps\(prompts_per_step=3\) forms no optimizer step: the batch has only "
+                                           r"2 prompt groups, so all 3 samples would be dropped; set prompts_per_step "
+                                           r"\(CLI --prompts-per-step\) to at most 2"):
+        _plan(mp.Batch([5, 6, 7], prompt_ids=[1, 1, 2]), mp.Steps(prompts_per_step=3))
+    with pytest.raises(mp.PlanError, match=r"Steps\(rollouts_per_step=4\) forms no optimizer step: the batch has only "
+                                           r"3 rollouts.*--rollouts-per-step"):
+        _plan(mp.Batch([5, 6, 7]), mp.Steps(rollouts_per_step=4))
+    plan = _plan(mp.Batch([5, 6, 7], prompt_ids=[1, 1, 2]), mp.Steps(prompts_per_step=2))  # one step: fine
+    assert len(plan.steps) == 1 and plan.dropped.size == 0
 
 
 def test_step_dropped_samples_are_not_in_the_loss():

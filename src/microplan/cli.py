@@ -2,7 +2,8 @@
 
 Design note. A thin shell over the library: parse arguments into a :class:`PlanConfig`, read
 the batch (``microplan.io``), call :func:`microplan.plan`, print :func:`format_summary`,
-optionally write the plan JSON and a PNG (``microplan.viz``). Every refusal — a PlanError, a
+optionally write the plan JSON and a PNG (``microplan.viz``). The summary text is
+``microplan.summary`` (the same as ``Plan.summary()``). Every refusal — a PlanError, a
 missing file, a bad argument — prints ONE line ``microplan: error: ...`` to stderr and exits 2,
 never a traceback; ``main(argv)`` returns the exit code, so tests call it in-process.
 
@@ -22,8 +23,6 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any, NoReturn
 
-import numpy as np
-
 from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
 from .cost import DEFAULT_ATTENTION, FlopsCost, TokenCost
@@ -32,12 +31,9 @@ from .forward import plan_forward
 from .plan import Plan
 from .planner import plan as make_plan
 from .traces import FAMILIES, generate
-from .viz import cost_units, human
+from .summary import describe_batch, format_summary
 
 __all__ = ["main", "build_parser", "format_summary", "describe_batch"]
-
-_MAX_TABLE_ROWS = 12
-
 
 class _UsageError(Exception):
     """A bad command line (argparse's complaint), reported as one line."""
@@ -46,118 +42,6 @@ class _UsageError(Exception):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:  # one line, no usage dump
         raise _UsageError(f"{message} (see '{self.prog} --help')")
-
-
-# -- summaries ----------------------------------------------------------------------------------
-
-def describe_batch(batch: Batch) -> str:
-    """One line on a batch: sizes, total tokens, and the length distribution."""
-    s = batch.seq_lens
-    if s.size == 0:
-        return "batch: empty"
-    p50, p90 = (int(np.quantile(s, q)) for q in (0.5, 0.9))
-    at_max = int((s == s.max()).sum())
-    return (f"batch: {batch.num_samples:,} samples, {batch.num_prompts:,} prompts, {batch.num_rollouts:,} rollouts, "
-            f"{human(batch.total_tokens)} tokens; seq_len p50 {p50:,} · p90 {p90:,} · max {int(s.max()):,} "
-            f"({at_max:,} at the max)")
-
-
-def _config_line(cfg: PlanConfig) -> str:
-    cap = (f"cap {cfg.max_tokens_per_micro:,} tokens/GPU" if cfg.max_tokens_per_micro
-           else f"micro_batch_size {cfg.micro_batch_size}")
-    cp = cfg.context_parallel
-    cpd = "" if cp is None else (f" · CP {cp.size}" if cp.size else f" · dynamic CP ≤ {cp.max_size}")
-    align = f" · align {cfg.align}" if cfg.align > 1 else ""
-    pp = (f" · PP {cfg.pipeline_stages}" + (f"×{cfg.virtual_stages} virtual" if cfg.virtual_stages > 1 else "")
-          if cfg.pipeline_stages > 1 else "")
-    pads = [f"layout {cfg.layout}"] if cfg.layout != "varlen" else []
-    pads += [f"pad to {cfg.pad_to_multiple_of}"] if cfg.pad_to_multiple_of > 1 else []
-    pads += [f"row to {cfg.pad_row_to_multiple_of}"] if cfg.pad_row_to_multiple_of > 1 else []
-    align += "".join(f" · {x}" for x in pads)
-    assert cfg.cost is not None and cfg.loss is not None
-    return (f"dp={cfg.dp_size} · {cap}{cpd}{align}{pp} · sync={cfg.sync} · short_step={cfg.short_step} · "
-            f"cost {type(cfg.cost).__name__} · loss {cfg.loss.mode}")
-
-
-def _step_table(plan: Plan) -> list[str]:
-    ss = plan.stats.steps
-    rows = ["   step   samples    tokens     K  K_lb   max tok  lockstep/LB  step-sync/LB  pad"]
-    shown = ss if len(ss) <= _MAX_TABLE_ROWS else ss[: _MAX_TABLE_ROWS - 2]
-    for i, s in enumerate(shown):
-        lb = s.time_lower_bound or 1.0
-        rows.append(f"  {i:5d} {s.num_samples:9,} {human(s.num_tokens):>9} {s.micro_count:5d} "
-                    f"{s.micro_count_lower_bound:5d} {s.max_micro_tokens:9,} {s.lockstep_time / lb:12.3f} "
-                    f"{s.step_sync_time / lb:13.3f} {s.num_placeholders:4d}")
-    if len(shown) < len(ss):
-        rows.append(f"  ... {len(ss) - len(shown)} more steps")
-    return rows
-
-
-def _choice_lines(plan: Plan) -> list[str]:
-    """Why K, for the first step whose K is not simply the lower bound (or the first step)."""
-    steps = [s for s in plan.steps if s.choice is not None]
-    if not steps:
-        return []
-    pick = next((s for s in steps if s.choice.micro_count != s.choice.lower_bound  # type: ignore[union-attr]
-                 or len(s.choice.candidates) > 1), steps[0])  # type: ignore[union-attr]
-    label = f"why K (step {pick.index})"
-    return [f"  {label:<23}: {pick.choice.reason}"]  # type: ignore[union-attr]
-
-
-def _dropped_lines(plan: Plan) -> list[str]:
-    by_reason: dict[str, list[int]] = {}
-    for i, why in plan.drop_reasons.items():
-        by_reason.setdefault(why, []).append(i)
-    lines = []
-    for why, idx in by_reason.items():
-        head = ", ".join(map(str, idx[:6])) + (", ..." if len(idx) > 6 else "")
-        lines.append(f"  {len(idx):,} sample{'s' if len(idx) != 1 else ''} [{head}]: {why}")
-    return lines
-
-
-def format_summary(plan: Plan) -> str:
-    """A readable multi-line summary of a plan: layout, bounds, predicted time, drops."""
-    st, cfg = plan.stats, plan.config
-    lb = st.time_lower_bound
-    ratio = (lambda t: f"{t / lb:.3f}× LB") if lb > 0 else (lambda t: "n/a")
-    used = "lockstep" if cfg.sync == "micro" else "step-sync"
-    cap = cfg.max_tokens_per_micro
-    mx = f"{st.max_micro_tokens:,} / cap {cap:,} ({100 * st.max_micro_tokens / cap:.1f} %)" if cap else \
-        f"{st.max_micro_tokens:,} (static micro_batch_size {cfg.micro_batch_size})"
-    per_step = " ".join(f"{s.micro_count}/{s.micro_count_lower_bound}" for s in st.steps[:16])
-    per_step += " ..." if len(st.steps) > 16 else ""
-    kind = "forward plan (loss scale 0)" if plan.kind == "forward" else "plan"
-    lines = [
-        f"{kind}: {st.num_steps} step{'s' if st.num_steps != 1 else ''} · {_config_line(cfg)}",
-        f"  micro-batches per rank : {st.micro_count} over all steps vs lower bound {st.micro_count_lower_bound}"
-        + (f" (per step K/lower bound: {per_step})" if st.steps else ""),
-        f"  max tokens per GPU     : {mx}",
-        f"  rank imbalance         : {st.rank_imbalance:.3f} (max/mean total rank cost)",
-        f"  predicted time         : lockstep {human(st.lockstep_time, 4)} = {ratio(st.lockstep_time)} · "
-        f"step-sync {human(st.step_sync_time, 4)} = {ratio(st.step_sync_time)} · lower bound {human(lb, 4)} "
-        f"{cost_units(cfg)} (sync={cfg.sync}: {used} applies)",
-        *_pipeline_lines(plan),
-        f"  placeholders           : {st.num_placeholders}",
-        *_choice_lines(plan),
-        f"  dropped                : {st.num_dropped:,} of {st.num_samples:,} samples",
-    ]
-    lines += _dropped_lines(plan)
-    if st.steps:
-        lines += _step_table(plan)
-    lines.append(f"  fingerprint            : {plan.fingerprint()[:16]}")
-    return "\n".join(lines)
-
-
-def _pipeline_lines(plan: Plan) -> list[str]:
-    cfg, st = plan.config, plan.stats
-    if cfg.pipeline_stages <= 1:
-        return []
-    sched = (f"interleaved 1F1B, {cfg.virtual_stages} chunks/stage, groups of {cfg.align}" if cfg.virtual_stages > 1
-             else "1F1B")
-    if plan.kind == "forward":
-        sched = "forward-only " + sched
-    return [f"  pipeline               : {cfg.pipeline_stages} stages, {sched}: step time {human(st.pipeline_time, 4)} "
-            f"{cost_units(cfg)}, bubble {100 * st.pipeline_bubble:.1f} % of a stage's time"]
 
 
 # -- argument types ------------------------------------------------------------------------------
@@ -349,6 +233,10 @@ def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:
         write_plan(plan, args.json)
         print(f"wrote plan JSON to {args.json}")
     if args.png and not getattr(args, "no_png", False):
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            skip = "pass --no-png" if hasattr(args, "no_png") else "leave out --png"
+            raise PlanError(f"writing {args.png} needs matplotlib: pip install 'microplan[plot]' (or {skip}).")
         from .viz import plot_plan
         if args.step is not None and args.step >= len(plan.steps):
             raise PlanError(f"--step {args.step} is outside the plan's steps 0..{len(plan.steps) - 1}.")
@@ -374,8 +262,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     plan = make_plan(batch, cfg)
     print(f"microplan demo · trace {args.family!r} (seed {args.seed}, max_len {max_len:,}), "
           f"{per_step} prompts per step")
-    print(describe_batch(batch))
-    print(format_summary(plan))
+    print(plan.summary())
     _write_outputs(plan, args)
     return 0
 
@@ -392,8 +279,23 @@ def _layout_options_given(args: argparse.Namespace) -> list[str]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from .io import read_batch, read_plan
-    batch = read_batch(args.file, format=args.format)
+    from .io import locate_samples, read_batch_file
+    source = read_batch_file(args.file, format=args.format)
+    try:
+        plan = _plan_file(args, source.batch)
+    except PlanError as exc:  # "sample 2 occupies ...": say where sample 2 is in the file
+        if args.like and str(exc).startswith(str(args.like)):
+            raise
+        raise PlanError(locate_samples(str(exc), source.path, source.locations)) from None
+    print(f"batch file {args.file}")
+    print(plan.summary())
+    _write_outputs(plan, args)
+    return 0
+
+
+def _plan_file(args: argparse.Namespace, batch: Batch) -> Plan:
+    """The plan (training, forward, or forward --like) the ``plan`` options ask for."""
+    from .io import read_plan
     if args.like:
         ignored = _layout_options_given(args)
         if ignored:
@@ -414,10 +316,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan = plan_forward(batch, config_from_args(args))
     else:
         plan = make_plan(batch, config_from_args(args))
-    print(f"{args.file}: {describe_batch(batch)}")
-    print(format_summary(plan))
-    _write_outputs(plan, args)
-    return 0
+    return plan
 
 
 def _cmd_validate(args: argparse.Namespace) -> int:

@@ -9,9 +9,13 @@ Design note. A batch file holds one record per sample, in batch order, with the 
 rollout dump with ``reward`` or ``text`` columns reads as is). An optional field is either in
 every record or in none. Lengths are whole numbers; ids are ints or strings (in CSV, an id
 column whose every cell is a canonical int reads as ints, else as strings — use JSONL to keep
-string ids like ``"7"``). Every refusal is a :class:`PlanError` naming the file, the line
-(JSONL, 1-based) or row (CSV/Parquet: data row, 1-based, header excluded), the field and the
-value. Parquet needs ``pyarrow`` (``pip install 'microplan[parquet]'``), imported lazily.
+string ids like ``"7"``). JSONL and Parquet are typed: a length written as a string
+(``{"seq_len": "200"}``) is refused, not guessed; only CSV, which has no types, parses text.
+Every refusal is a :class:`PlanError` naming the file, the line (JSONL, 1-based) or row
+(CSV/Parquet: data row, 1-based, header excluded), the field and the value; an error about a
+sample found later (a batch invariant, a sample over the cap when planning: see
+:func:`locate_samples`) names the sample's line too. A missing file is "no such file" whatever
+its extension, and :func:`read_plan` given a batch file says so. Parquet needs ``pyarrow`` (``pip install 'microplan[parquet]'``), imported lazily.
 The planning core stays pure: nothing outside this module touches files.
 """
 
@@ -23,7 +27,8 @@ import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+import re
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,7 +36,8 @@ from .batch import Batch
 from .errors import PlanError
 from .plan import Plan
 
-__all__ = ["FIELDS", "FORMATS", "read_batch", "write_batch", "read_plan", "write_plan"]
+__all__ = ["FIELDS", "FORMATS", "BatchFile", "read_batch", "read_batch_file", "locate_samples", "write_batch",
+           "read_plan", "write_plan"]
 
 FIELDS = ("seq_len", "prompt_len", "loss_tokens", "prompt_id", "rollout_id", "prefix_parent", "shared_prefix_len")
 FORMATS = ("jsonl", "csv", "parquet")
@@ -78,18 +84,48 @@ def read_batch(path: PathLike, *, format: str | None = None) -> Batch:
             (naming file, line/row, field and value), or a batch invariant (e.g. a rollout
             spanning two prompts).
     """
+    return read_batch_file(path, format=format).batch
+
+
+class BatchFile(NamedTuple):
+    """A batch read from a file: the :class:`Batch` and where each sample is in the file."""
+
+    batch: Batch
+    locations: tuple[str, ...]   # ``locations[i]``: "line 4" (JSONL), "row 2" (CSV/Parquet), "element 0"
+    path: Path
+
+
+def read_batch_file(path: PathLike, *, format: str | None = None) -> BatchFile:
+    """:func:`read_batch`, plus each sample's line/row (for messages about a sample: :func:`locate_samples`)."""
     p = Path(path)
+    if not p.exists():
+        raise PlanError(f"{p}: no such file.")
     fmt = _format(p, format)
     reader = {"jsonl": _jsonl_records, "csv": _csv_records, "parquet": _parquet_records}[fmt]
     columns: dict[str, list[Any]] = {}
+    locations: list[str] = []
     for n, (loc, rec) in enumerate(reader(p)):
-        _add_record(p, loc, rec, n, columns)
+        _add_record(p, loc, rec, n, columns, typed=fmt != "csv")
+        locations.append(loc)
     if not columns:
         raise PlanError(f"{p}: holds no samples; a batch file needs one record per sample with a 'seq_len'.")
-    return _build(p, columns, int_ids=fmt == "csv")
+    return BatchFile(_build(p, columns, tuple(locations), int_ids=fmt == "csv"), tuple(locations), p)
 
 
-def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[str, list[Any]]) -> None:
+_SAMPLE = re.compile(r"\bsample (\d+)\b")
+
+
+def locate_samples(message: str, path: Path, locations: tuple[str, ...]) -> str:
+    """``message`` about ``sample i`` (0-based batch index) led by where sample i is in the file:
+    ``"b.jsonl line 4 (sample 2): ..."``. Unchanged when it names no sample of the file."""
+    m = _SAMPLE.search(message)
+    if m is None or not 0 <= int(m[1]) < len(locations):
+        return message
+    return f"{path} {locations[int(m[1])]} (sample {m[1]}, counting from 0): {message}"
+
+
+def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[str, list[Any]], *,
+                typed: bool) -> None:
     """Append one record's known fields; an optional field must be in every record or in none."""
     present = [name for name in FIELDS if rec.get(name) is not None]
     if "seq_len" not in present:
@@ -104,7 +140,7 @@ def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[st
                         "every record or in none.")
     for name, col in columns.items():
         v = rec[name]
-        col.append(_length(p, loc, name, v) if name in _LENGTHS else _parent(p, loc, v) if name == "prefix_parent"
+        col.append(_length(p, loc, name, v, typed) if name in _LENGTHS else _parent(p, loc, v) if name == "prefix_parent"
                    else _ident(p, loc, name, v))
     seq = columns["seq_len"][-1]
     for name in ("prompt_len", "loss_tokens"):
@@ -113,10 +149,14 @@ def _add_record(p: Path, loc: str, rec: dict[str, Any], n: int, columns: dict[st
                             "prompt + response tokens.")
 
 
-def _length(p: Path, loc: str, name: str, v: Any) -> int:
-    """A whole-number token count, >= 1 for seq_len and >= 0 otherwise (CSV strings parsed)."""
+def _length(p: Path, loc: str, name: str, v: Any, typed: bool = False) -> int:
+    """A whole-number token count, >= 1 for seq_len and >= 0 otherwise (CSV strings parsed; a
+    string in a typed format — JSONL, Parquet — refused)."""
     if type(v) is int:                                   # the common case, fast
         out = v
+    elif typed and isinstance(v, str):
+        raise PlanError(f"{p} {loc}: field {name!r}={v!r} is a string; write the number of tokens as a JSON number "
+                        + (f"(\"{name}\": {v.strip()})" if v.strip().isdigit() else "without quotes") + ".")
     else:
         out = _whole(v)
         if out is None:
@@ -162,7 +202,7 @@ def _ident(p: Path, loc: str, name: str, v: Any) -> int | str:
     raise PlanError(f"{p} {loc}: field {name!r}={v!r} must be an int or a string id.")
 
 
-def _build(p: Path, columns: dict[str, list[Any]], *, int_ids: bool) -> Batch:
+def _build(p: Path, columns: dict[str, list[Any]], locations: tuple[str, ...], *, int_ids: bool) -> Batch:
     """Batch from the checked columns; ``int_ids``: read an id column of canonical-int strings
     as ints (CSV has no types)."""
     seq = columns["seq_len"]
@@ -177,7 +217,8 @@ def _build(p: Path, columns: dict[str, list[Any]], *, int_ids: bool) -> Batch:
                      prefix_parent=_opt_array(columns.get("prefix_parent")),
                      shared_prefix_lens=_opt_array(columns.get("shared_prefix_len")))
     except PlanError as exc:
-        raise PlanError(f"{p}: {exc} (sample i is the i-th record, counting from 0)") from None
+        located = locate_samples(str(exc), p, locations)
+        raise PlanError(located if located != str(exc) else f"{p}: {exc}") from None
 
 
 def _opt_array(values: list[int] | None) -> np.ndarray | None:
@@ -368,4 +409,24 @@ def read_plan(path: PathLike) -> Plan:
     try:
         return Plan.from_json(text)
     except PlanError as exc:
+        kind = _batch_file_kind(text)
+        if kind:
+            raise PlanError(f"{p}: this is a batch file ({kind}), not a plan; plan it with 'microplan plan {p} --dp N "
+                            "--max-tokens T' (add --json PLAN.json to write a plan to validate).") from None
         raise PlanError(f"{p}: {exc}") from None
+
+
+def _batch_file_kind(text: str) -> str | None:
+    """What batch format ``text`` looks like (JSONL records / a CSV header with seq_len), or None."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        rec = json.loads(first)
+    except json.JSONDecodeError:
+        rec = None
+    if isinstance(rec, dict) and "seq_len" in rec:
+        return "JSONL, one sample per line"
+    if isinstance(rec, list) and rec and isinstance(rec[0], dict) and "seq_len" in rec[0]:
+        return "a JSON array of samples"
+    if "seq_len" in [c.strip() for c in first.split(",")]:
+        return "CSV with a seq_len column"
+    return None

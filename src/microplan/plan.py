@@ -19,6 +19,7 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import footprint_of, micro_footprint
+from .plan_json import Where, field, index_array, number_array, rows_of, whole
 from .prefix import forest_of, micro_tree
 from .stats import compute_stats
 from .types import KChoice, Micro, PlanStats, Step
@@ -86,9 +87,14 @@ class Plan:
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        kind = ", kind='forward'" if self.kind == "forward" else ""
-        return (f"Plan(steps={len(self.steps)}, dp_size={self.config.dp_size}, samples={self.batch.num_samples}, "
-                f"dropped={self.dropped.size}{kind})")
+        """One line that fits a screen; :meth:`summary` has the whole picture."""
+        from .summary import short_repr
+        return short_repr(self)
+
+    def summary(self) -> str:
+        """The readable summary the CLI prints (binding): units named, every term in a legend."""
+        from .summary import format_summary
+        return format_summary(self)
 
     def to_dict(self) -> dict[str, Any]:
         reasons: dict[str, list[int]] = {}
@@ -110,31 +116,45 @@ class Plan:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Inverse of :meth:`to_dict`; a damaged plan is a PlanError naming the field and its place
+        (``microplan.plan_json``)."""
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise PlanError(f"not a microplan plan: expected a JSON object with format={FORMAT!r}.")
         if d.get("version") not in _READS:
             raise PlanError(f"plan format version {d.get('version')!r} is not supported (this microplan reads "
                             f"version {VERSION}); re-plan with this version.")
+        top = Where("(top level)")
         try:
-            batch = Batch.from_dict(d["batch"])
-            config = PlanConfig.from_dict(d["config"])
-            mfp = micro_footprint(footprint_of(batch, config))
-            steps = []
-            choices = d.get("choices") or [None] * len(d["steps"])
-            for s, rows in enumerate(d["steps"]):
-                micros = [[_micro_from_dict(m, batch, config.share_prefixes, mfp) for m in row] for row in rows]
-                idx = [m.indices for row in micros for m in row if m.cp_rank == 0]
-                samples = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
-                choice = None if choices[s] is None else KChoice.from_dict(choices[s])
-                steps.append(Step(s, micros, samples, choice=choice))
-            reasons = {int(i): why for why, idx in d["drop_reasons"] for i in idx}
-            return cls(batch=batch, config=config, steps=steps,
-                       dropped=np.asarray(d["dropped"], dtype=np.int64), drop_reasons=reasons,
-                       kind=d.get("kind", "train"))
+            batch = Batch.from_dict(field(d, "batch", top))
+            config = PlanConfig.from_dict(field(d, "config", top))
         except PlanError:
             raise
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            raise PlanError(f"malformed plan JSON: {type(exc).__name__}: {exc}") from None
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+            raise top.fail(f"its 'batch' or 'config' does not read ({type(exc).__name__}: {exc})") from None
+        mfp = micro_footprint(footprint_of(batch, config))
+        step_rows = rows_of(field(d, "steps", top), "steps", top)
+        choices = d.get("choices") or [None] * len(step_rows)
+        if not isinstance(choices, list) or len(choices) != len(step_rows):
+            raise top.fail(f"field 'choices' must be a list of {len(step_rows)} entries, one per step")
+        steps = []
+        for s, rows in enumerate(step_rows):
+            rows = rows_of(rows, "steps", Where(f"step {s}"))
+            micros = [[_micro_from_dict(m, batch, config.share_prefixes, mfp,
+                                        Where(f"step {s}, rank {r}, micro-batch {k}"))
+                       for k, m in enumerate(rows_of(row, "steps", Where(f"step {s}, rank {r}")))]
+                      for r, row in enumerate(rows)]
+            idx = [m.indices for row in micros for m in row if m.cp_rank == 0]
+            samples = np.sort(np.concatenate(idx)) if idx else np.zeros(0, dtype=np.int64)
+            choice = None if choices[s] is None else _choice_from_dict(choices[s], Where(f"step {s}"))
+            steps.append(Step(s, micros, samples, choice=choice))
+        n = batch.num_samples
+        dropped = index_array(field(d, "dropped", top), "dropped", top, n)
+        reasons: dict[int, str] = {}
+        for why, idx in rows_of(field(d, "drop_reasons", top), "drop_reasons", top):
+            for i in index_array(idx, "drop_reasons", top, n):
+                reasons[int(i)] = str(why)
+        return cls(batch=batch, config=config, steps=steps, dropped=dropped, drop_reasons=reasons,
+                   kind=d.get("kind", "train"))
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -150,14 +170,26 @@ class Plan:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
 
 
-def _micro_from_dict(m: dict[str, Any], batch: Batch, shared: bool, fp: Any = None) -> Micro:
+def _micro_from_dict(m: Any, batch: Batch, shared: bool, fp: Any, where: Where) -> Micro:
     lens, lt = batch.seq_lens, batch.loss_tokens
-    idx = np.asarray(m["indices"], dtype=np.int64)
-    if idx.size and (idx.min() < 0 or idx.max() >= lens.size):
-        raise PlanError(f"plan JSON names sample {int(idx.max())} but the batch has {lens.size} samples.")
+    idx = index_array(field(m, "indices", where), "indices", where, lens.size)
+    scale = number_array(field(m, "loss_scale", where), "loss_scale", where, idx.size)
+    cp_size = whole(field(m, "cp_size", where), "cp_size", where, minimum=1)
+    cp_rank = whole(field(m, "cp_rank", where), "cp_rank", where)
+    group = tuple(whole(g, "cp_group", where) for g in rows_of(field(m, "cp_group", where), "cp_group", where))
     tree = None
     if shared and idx.size:  # the trie is a pure function of the batch's forest and the samples
         parent, sh = forest_of(batch)
         tree = micro_tree(parent, sh, lens, idx)
-    return Micro(idx, lens[idx], lt[idx], np.asarray(m["loss_scale"], dtype=np.float64),
-                 cp_size=m["cp_size"], cp_rank=m["cp_rank"], cp_group=tuple(m["cp_group"]), footprint=fp, tree=tree)
+    try:
+        return Micro(idx, lens[idx], lt[idx], scale, cp_size=cp_size, cp_rank=cp_rank, cp_group=group,
+                     footprint=fp, tree=tree)
+    except PlanError as exc:
+        raise where.fail(str(exc).rstrip(".")) from None
+
+
+def _choice_from_dict(c: Any, where: Where) -> KChoice:
+    try:
+        return KChoice.from_dict(c)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise where.fail(f"field 'choices' does not read ({type(exc).__name__}: {exc})") from None

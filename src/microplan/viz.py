@@ -4,9 +4,16 @@ Design note. Left panel: cell (r, m) is micro-batch m of rank r, coloured by its
 under the plan's cost model (``microplan.stats.micro_cost_grid``); placeholders are grey and
 hatched; with ``step=None`` all steps sit side by side, separated by white lines. Small grids
 (≤ 16 ranks, ≤ 256 cells) print each cell's tokens per GPU; large ones (dp=128) stay a clean
-heat map with thinned ticks. Right panel: each rank's total cost (bars, same rows), with the
-mean and the time lower bound marked. The title carries dp, K vs its lower bound, max tokens
-vs the cap, lockstep and step-sync time vs the lower bound, imbalance and placeholder count.
+heat map with thinned ticks. Right panel: each rank's total cost (bars, same rows; the costliest
+rank red), with the mean and the time lower bound marked. The title carries dp, K vs its lower
+bound, max tokens vs the cap, lockstep and step-sync time vs the lower bound, imbalance and
+placeholder count.
+
+Legibility rules (checked by looking at the PNG at its default size): every colour and line is in
+a legend or the colour-bar label; when the mean and the lower bound lie within ~1 px of each other
+(a balanced plan: the usual case) the lower bound is drawn wide and pale under the dashed mean
+and the legend says they coincide, so neither hides the other; a zoomed bar axis starts at a tick,
+so the "axis starts at" note and the first tick label are the same number.
 
 matplotlib is imported lazily and used through ``matplotlib.figure.Figure`` (the Agg canvas
 behind ``savefig``), never pyplot: no global backend switch, safe inside notebooks and servers.
@@ -22,6 +29,7 @@ import numpy as np
 
 from .errors import PlanError
 from .stats import micro_cost_grid
+from .summary import sig
 
 if TYPE_CHECKING:
     from .plan import Plan
@@ -30,6 +38,7 @@ __all__ = ["plot_plan", "human", "cost_units"]
 
 _TEXT_MAX_RANKS = 16
 _TEXT_MAX_CELLS = 256
+_BAR, _WORST, _LB = "#4c72b0", "#d62728", "#2ca02c"  # rank bars, the costliest rank, the lower bound
 
 
 def human(x: float, digits: int = 3) -> str:
@@ -46,7 +55,7 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]' (or leave out --png).") from None
+        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]'.") from None
     return Figure
 
 
@@ -133,8 +142,10 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], *, step: int | None = 0,
 
 
 def cost_units(config: Any) -> str:
-    """The unit of a config's cost figures: 'tokens' for TokenCost, else 'cost units'."""
-    return "tokens" if type(config.cost).__name__ == "TokenCost" else "cost units"
+    """The unit of a config's cost figures (``microplan.summary.cost_unit``): tokens, FLOPs, s, cost units."""
+    from .summary import cost_unit
+    unit = cost_unit(config)
+    return "seconds" if unit.seconds else unit.short
 
 
 def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray, holes: np.ndarray,
@@ -159,7 +170,7 @@ def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray
         mid = (vmin + vmax) / 2
         for r in range(dp):
             for m in range(cols):
-                txt, colour = ("pad", "#404040") if holes[r, m] else (human(tokens[r, m]), "black" if cost[r, m] > mid else "white")
+                txt, colour = ("empty", "#404040") if holes[r, m] else (human(tokens[r, m]), "black" if cost[r, m] > mid else "white")
                 ax.text(m, r, txt, ha="center", va="center", fontsize=7 if cols > 16 else 8, color=colour)
     bounds = np.cumsum(ks)[:-1]
     for b in bounds:
@@ -179,7 +190,9 @@ def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray
     cbar = fig.colorbar(im, ax=ax, location="bottom", fraction=0.06, pad=0.02, aspect=50)
     note = "; cell text: tokens per GPU" if dp <= _TEXT_MAX_RANKS and dp * cols <= _TEXT_MAX_CELLS else ""
     note += "; white boxes: context-parallel groups" if groups else ""
-    cbar.set_label(f"predicted micro-batch cost ({cost_units(plan.config)}); grey hatched = placeholder{note}", fontsize=8)
+    note += "; white lines separate steps" if step is None and len(ks) > 1 else ""
+    cbar.set_label(f"predicted micro-batch cost ({cost_units(plan.config)}); grey hatched 'empty' = placeholder "
+                   f"(an empty micro-batch that keeps K equal){note}", fontsize=8)
 
 
 def _ticks(n: int) -> np.ndarray:
@@ -189,36 +202,59 @@ def _ticks(n: int) -> np.ndarray:
 
 
 def _rank_bars(ax: Any, plan: Plan, cost: np.ndarray, steps: list[int]) -> None:
+    """Each rank's total cost: blue bars, the costliest rank red; mean (black dashes) and lower bound
+    (green) as vertical lines; when they (nearly) coincide the lines are drawn side by side in
+    styles that stay visible, and the legend says they coincide. Every colour is in the legend."""
+    from matplotlib.patches import Patch
+
     totals = cost.sum(axis=1)
     dp = totals.size
     lb = sum(plan.stats.steps[s].time_lower_bound for s in steps)
     mean = float(totals.mean())
     worst = int(np.argmax(totals))
-    colours = np.where(np.arange(dp) == worst, "#d62728", "#4c72b0")
+    colours = np.where(np.arange(dp) == worst, _WORST, _BAR)
     ax.barh(np.arange(dp), totals, height=0.8 if dp <= 64 else 1.0, color=colours)
-    ax.axvline(mean, color="black", ls="--", lw=1, label=f"mean {mean:,.0f}")
-    ax.axvline(lb, color="#2ca02c", lw=1.5, label=f"lower bound {lb:,.0f}")
     hi, lo = max(float(totals.max()), lb), min(float(totals.min()), lb)
     span = max(hi - lo, 0.02 * hi)               # zoom, but never magnify < 2 % differences
     left = lo - 0.6 * span
     left = left if left > 0.25 * hi else 0.0      # a short zoom only confuses: start at 0
     ax.set_xlim(left, hi + 0.25 * span)
-    _tick_labels(ax, hi)
-    zoom = f"\n(axis starts at {human(left)})" if left > 0 else ""
-    ax.set_xlabel(f"rank total ({cost_units(plan.config)}){zoom}")
+    units = cost_units(plan.config)
+    close = abs(mean - lb) < 0.004 * (hi + 0.25 * span - left)  # under ~1 px apart at the usual width
+    ax.axvline(lb, color=_LB, lw=3.0 if close else 1.5, alpha=0.6 if close else 1.0, zorder=2)
+    ax.axvline(mean, color="black", ls=(0, (3, 2)), lw=1.2, zorder=3)
+    handles = [Patch(color=_BAR, label="rank total"), Patch(color=_WORST, label=f"costliest rank ({worst})"),
+               _line("black", (0, (3, 2)), f"mean {sig(mean)}"),
+               _line(_LB, "-", f"lower bound {sig(lb)}" + (" (= mean: lines coincide)" if close else ""))]
+    tick_left = _tick_labels(ax, hi)
+    zoom = f"\n(axis starts at {tick_left}, not 0)" if left > 0 else ""
+    ax.set_xlabel(f"rank total ({units}){zoom}")
     ax.set_title(f"max/mean {totals.max() / mean:.3f}" if mean > 0 else "", fontsize=9)
     from matplotlib.transforms import offset_copy
     below = offset_copy(ax.transAxes, fig=ax.figure, y=-50, units="points")   # under the x label
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=below, fontsize=7, frameon=False)
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), bbox_transform=below, fontsize=7,
+              frameon=False)
     ax.tick_params(labelleft=False, length=2)
 
 
-def _tick_labels(ax: Any, hi: float) -> None:
-    """About 4 x ticks, labelled in k/M with just enough decimals to tell them apart."""
+def _line(colour: str, style: Any, label: str) -> Any:
+    from matplotlib.lines import Line2D
+    return Line2D([], [], color=colour, ls=style, lw=1.5, label=label)
+
+
+def _tick_labels(ax: Any, hi: float) -> str:
+    """About 4 x ticks, labelled in k/M with just enough decimals to tell them apart; returns the
+    axis's left end written with the same scale and decimals (for the "axis starts at" note)."""
     from matplotlib.ticker import MaxNLocator
     ax.xaxis.set_major_locator(MaxNLocator(4))
-    ticks = [t for t in ax.get_xticks() if ax.get_xlim()[0] <= t <= ax.get_xlim()[1]]
+    lo_lim, hi_lim = ax.get_xlim()
+    below = [t for t in ax.get_xticks() if t <= lo_lim]
+    if lo_lim > 0 and below and max(below) > 0:  # start a zoomed axis at a tick: the note and the ticks agree
+        lo_lim = float(max(below))
+        ax.set_xlim(lo_lim, hi_lim)
+    ticks = [t for t in ax.get_xticks() if lo_lim <= t <= hi_lim]
     scale, suffix = next(((v, s) for v, s in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")) if hi >= v), (1.0, ""))
     vals = [t / scale for t in ticks]
     dec = next((d for d in range(4) if all(abs(round(v, d) - v) < 1e-9 * max(1.0, abs(v)) for v in vals)), 3)
     ax.set_xticks(ticks, [f"{v:.{dec}f}{suffix}" if v else "0" for v in vals])
+    return f"{lo_lim / scale:.{dec}f}{suffix}"

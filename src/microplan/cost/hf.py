@@ -4,7 +4,8 @@ Design note:
 
 1. Read the config (a dict or any object with attributes, e.g. a transformers
    ``PretrainedConfig``; a multimodal config's ``text_config`` is used when the top level has
-   no hidden size) through a fixed alias table; ``None`` counts as missing.
+   no hidden size) through a fixed alias table; ``None`` counts as missing, except where the
+   model family documents what None means (GPT-2 style ``n_inner=None``: 4 × hidden).
 2. Count the weights one token multiplies by, layer by layer: attention projections (GQA or
    DeepSeek MLA), the MLP of a dense layer, or router + top-k routed + shared experts of an MoE
    layer (which layers are MoE follows the config's own keys), plus the LM head once.
@@ -74,6 +75,11 @@ _PLAIN_TYPES = frozenset({
     "mpt", "codegen", "bert", "roberta"})
 _GATED_ACTS = ("silu", "swish", "swiglu", "geglu", "reglu")
 
+# Documented defaults of keys a config may leave null. GPT-2 style configs (transformers'
+# GPT2Config, GPTJConfig, GPTBigCodeConfig, CodeGenConfig: ``n_inner=None``) mean an MLP of
+# 4 × hidden; their config.json files hold ``"n_inner": null``.
+_FFN_4X_TYPES = frozenset({"gpt2", "gptj", "gpt_bigcode", "codegen", "imagegpt", "decision_transformer"})
+
 
 class _Config:
     """Alias-aware read access to a dict-like or attribute-style config."""
@@ -104,13 +110,22 @@ class _Config:
     def get_int(self, field: str, *, default: int | None = None, minimum: int = 1,
             why: str = "") -> int:
         hit = self.find(field)
+        if hit is None and field == "intermediate_size" and self.get_text("model_type") in _FFN_4X_TYPES:
+            return 4 * self.get_int("hidden_size")   # n_inner=None: the documented 4 × n_embd
         if hit is None:
             if default is not None:
                 return default
             aliases = ", ".join(repr(a) for a in _ALIASES[field])
-            raise PlanError(f"model config is missing {field!r}{why}; accepted keys: {aliases}. "
-                            f"Add it to the config (as in the model's config.json).")
+            nulls = [a for a in _ALIASES[field] if self._has(a)]
+            null = (f" ({', '.join(repr(a) for a in nulls)} is null: the model library fills in a default microplan "
+                    "does not know for this model_type)" if nulls else "")
+            raise PlanError(f"model config has no value for {field!r}{why}{null}; accepted keys: {aliases}. Set one "
+                            f"to the model's real value (e.g. the MLP width for intermediate_size), as a number.")
         return int_field(f"config[{hit[0]!r}]", hit[1], minimum=minimum)
+
+    def _has(self, key: str) -> bool:
+        """``key`` is present (possibly null)."""
+        return key in self._cfg if isinstance(self._cfg, Mapping) else hasattr(self._cfg, key)
 
     def get_ints(self, field: str) -> frozenset[int]:
         hit = self.find(field)

@@ -4,7 +4,9 @@ Design note. Steps are formed from whole groups in order of first appearance: a 
 (GRPO) or a rollout (the turns of a step-wise trajectory) is atomic, so a multi-turn batch with
 a variable number of samples per prompt still yields exactly the configured number of steps
 (the SkyRL seed). Groups that cannot fill a last step are returned as dropped, with a reason,
-never silently lost. Guarantees: every sample is in exactly one step or in ``dropped``; no
+never silently lost; a setting under which NO step forms (more prompts or rollouts per step than
+the batch holds) is a PlanError naming the setting and the largest value that forms a step, never
+a plan of zero steps. Guarantees: every sample is in exactly one step or in ``dropped``; no
 rollout and no prompt group spans two steps. Cost: O(n) numpy.
 """
 
@@ -50,6 +52,7 @@ def split_steps(batch: Batch, steps: Steps | None) -> StepSplit:
     if steps.prompts_per_step is not None:
         p = steps.prompts_per_step
         full = batch.num_prompts // p
+        _check_forms_a_step(batch, full, "prompts_per_step", p, batch.num_prompts, "prompt groups")
         step_of = batch.prompt_codes // p
         reason = (f"trailing prompt group: the last {batch.num_prompts - full * p} prompt(s) do not fill a step "
                   f"of prompts_per_step={p}")
@@ -57,12 +60,22 @@ def split_steps(batch: Batch, steps: Steps | None) -> StepSplit:
     r = steps.rollouts_per_step
     assert r is not None  # Steps.__post_init__ guarantees exactly one field
     full = batch.num_rollouts // r
+    _check_forms_a_step(batch, full, "rollouts_per_step", r, batch.num_rollouts, "rollouts")
     step_of = batch.rollout_codes // r
     step_of = np.where(step_of >= full, full, step_of)  # `full` marks the dropped tail
     _check_prompts_not_cut(batch, step_of, r)
     reason = (f"trailing rollout: the last {batch.num_rollouts - full * r} rollout(s) do not fill a step "
               f"of rollouts_per_step={r}")
     return _finish(step_of, full, reason)
+
+
+def _check_forms_a_step(batch: Batch, full: int, name: str, value: int, have: int, what: str) -> None:
+    """Refuse a step size under which no step forms: every sample would be dropped."""
+    if full == 0:
+        flag = "--" + name.replace("_", "-")
+        raise PlanError(f"Steps({name}={value}) forms no optimizer step: the batch has only {have:,} {what}, so all "
+                        f"{batch.num_samples:,} samples would be dropped; set {name} (CLI {flag}) to at most "
+                        f"{have:,}, or use Steps(num_steps=k).")
 
 
 def _finish(step_of: np.ndarray, full: int, reason: str) -> StepSplit:
