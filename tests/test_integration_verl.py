@@ -216,13 +216,17 @@ def test_drop_in_on_gloo_ranks_with_uneven_batches(world, nested):
         assert K <= out[0]["verl"]["count"], (K, out[0]["verl"])
 
 
-def _short_worker(rank: int, world: int, pad: bool) -> dict:
+def _short_worker(rank: int, world: int, pad: bool, nested: bool = False) -> dict:
     """Rank 0 holds 2 samples, rank 1 many: rank 1 needs more micro-batches than rank 0 has samples."""
     import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
     n = 2 if rank == 0 else 12
     ids = torch.arange(n * 100).reshape(n, 100) + 10_000 * rank
     mask = torch.ones(n, 100, dtype=torch.long)
-    td = DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask}).batch
+    if nested:
+        td = tu.get_tensordict({"input_ids": torch.nested.as_nested_tensor(list(ids), layout=torch.jagged)})
+    else:
+        td = DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask}).batch
     if pad:
         mpv.install(short_step="pad")
     try:
@@ -245,6 +249,17 @@ def test_a_rank_too_short_fails_every_rank_or_pads_explicitly():
     assert not any(isinstance(o, RankError) for o in out), out
     assert len(out[0]["sizes"]) == len(out[1]["sizes"]) == 4  # 12 × 100 tokens at 300 per micro-batch
     assert sorted(out[0]["sizes"]) == [0, 0, 1, 1] and min(out[1]["sizes"]) > 0
+
+
+def test_jagged_input_with_pad_is_refused_on_every_rank():
+    """The defect: with install(short_step="pad") and verl's jagged (nested) input, the rank given an
+    empty micro-batch raised ``AssertionError: Must provide at least one tensor`` in verl's
+    index_select_tensor_dict while the other rank went on (a hang in a real run). Now every rank
+    raises the same PlanError, with the fix, before any micro-batch is built."""
+    out = run_gloo(_short_worker, 2, args=(True, True), timeout_s=120)
+    assert all(isinstance(o, RankError) and o.type == "PlanError" for o in out), out
+    assert out[0].message == out[1].message
+    assert "rank(s) [0]" in out[0].message and "use_remove_padding=False" in out[0].message
 
 
 # -- (c) install(), verl's engine helper, exact loss weights ------------------------------------------

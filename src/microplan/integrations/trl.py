@@ -65,11 +65,11 @@ def split_tensor_dict(tensor_dict: dict[str, Any], num_chunks: int) -> list[dict
                         "least steps_per_generation rows per process.")
     size = rows // k  # TRL's chunk size; rows past k * size train in no chunk, as in TRL
     trainer, rule, share = _STATE["trainer"], _STATE["rule"], _STATE["share"]
-    if trainer is None:
+    step, args = getattr(trainer, "_step", None), getattr(trainer, "args", None)
+    if step is None or args is None:
         wins = windows(k, None, None)
     else:
-        wins = windows(k, int(trainer._step), int(trainer.args.gradient_accumulation_steps),
-                       int(getattr(trainer, "num_iterations", 1)))
+        wins = windows(k, int(step), int(args.gradient_accumulation_steps), int(getattr(trainer, "num_iterations", 1)))
     lens = _row_tokens(tensor_dict, rows)
     groups, prompt = _groups(tensor_dict, rows)
     trim = set(tensor_dict) <= set(_COMPLETION_KEYS) | set(_PROMPT_KEYS) | {"advantages", "num_items_in_batch"}

@@ -25,7 +25,9 @@ slots. ``num_batches_divided_by`` is ``align``, ``min_num_micro_batch`` the mini
 verl). When a rank holds fewer samples than the K another rank needs, verl 0.9.1 raises; so does
 the drop-in by default (the same :class:`~microplan.PlanError`, a ``ValueError``, on every
 rank), or ``install(short_step="pad")`` gives that rank explicit empty micro-batches (empty index
-lists; ``restore_dynamic_batch`` still restores the order).
+lists; ``restore_dynamic_batch`` still restores the order) — with padded input only: verl's jagged
+(nested) input cannot hold an empty micro-batch, so there every rank raises the same PlanError
+(the plan is the same everywhere) before any micro-batch is built.
 
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
@@ -172,8 +174,24 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
                                 num_batches_divided_by=num_batches_divided_by,
                                 same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
                                 use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size)
+    _refuse_jagged_placeholders(batch, layout)
     micros = [tu.index_select_tensor_dict(batch, torch.tensor(idx, dtype=torch.long)) for idx in layout.index_lists]
     return micros, layout.index_lists
+
+
+def _refuse_jagged_placeholders(batch: Any, layout: VerlLayout) -> None:
+    """A jagged (nested) TensorDict cannot hold an empty micro-batch (verl's ``index_select_tensor_dict``
+    asserts "Must provide at least one tensor"); the plan is the same on every rank, so every rank
+    refuses here, before the micro-batches (and the forward's collectives) exist."""
+    if layout.plan is None or not layout.plan.steps or not getattr(batch["input_ids"], "is_nested", False):
+        return
+    short = [r for r, row in enumerate(layout.plan.steps[0].micros) if any(m.is_placeholder for m in row)]
+    if short:
+        K = layout.plan.steps[0].micro_count
+        raise PlanError(f"short_step='pad' gives rank(s) {short} an empty micro-batch (every rank runs K={K}), but "
+                        "verl's jagged (nested, remove-padding) input cannot hold an empty micro-batch; give every "
+                        f"rank at least {K} samples (balance the batch over the ranks, or raise max_token_len_per_gpu "
+                        "so fewer micro-batches are needed), or use padded input (use_remove_padding=False).")
 
 
 def prepare_dynamic_batch(data: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: int | None = None,
