@@ -53,6 +53,7 @@ from ..plan import Plan
 from ..planner import build_plan
 from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
+from ._verl_meter import current_cost, reset, unwrap_engines, wrap_engine
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
            "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
@@ -64,7 +65,7 @@ INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
 #: micro-batch looks free and the K search would split steps for nothing.
 VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
-_SETTINGS: dict[str, Any] = {"cost": VERL_WORKLOAD, "short_step": "error"}
+_SETTINGS: dict[str, Any] = {"short_step": "error"}
 _PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
 _NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
           "restore_dynamic_batch")
@@ -142,7 +143,7 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
         raise PlanError(f"short_step={short!r}: the verl drop-in supports 'error' (verl 0.9.1's behaviour: refuse) "
                         "or 'pad' (explicit empty micro-batches); 'drop' would lose samples verl restores.")
     config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
-                  short_step=short, cost=cost if cost is not None else _SETTINGS["cost"], placement="local")
+                  short_step=short, cost=cost if cost is not None else current_cost(), placement="local")
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
     if _synced(dp_group, same_micro_num_in_dp):
         from ..torch.distributed import local_view, plan_distributed
@@ -231,12 +232,15 @@ def restore_dynamic_batch(data: Any, batch_idx_list: list[list[int]]) -> Any:
 
 # -- the switch ----------------------------------------------------------------------------------
 
-def install(*, cost: CostModel | None = None, short_step: str = "error") -> None:
+def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step: str = "error",
+            meter: bool = True) -> None:
     """Route verl's sequence balancing through microplan in this process (idempotent).
 
     Replaces the four functions in ``verl.utils.seqlen_balancing`` and in every loaded ``verl``
     module that imported them by name; modules imported later get them from the patched module.
-    ``cost``: the cost model to balance with (default: verl's own workload model);
+    ``cost``: a fixed cost model to balance with; default: the trained model's FLOPs from
+    ``hf_config`` (a dict or a transformers config; in a worker, verl's engine's own config),
+    then the machine's seconds learned online (``meter``; see ``_verl_meter``).
     ``short_step``: ``"error"`` (default) or ``"pad"`` (see the module note).
     """
     try:
@@ -247,7 +251,15 @@ def install(*, cost: CostModel | None = None, short_step: str = "error") -> None
         raise PlanError(f"install(short_step={short_step!r}) must be 'error' or 'pad'.")
     if cost is not None and not isinstance(cost, CostModel):
         raise PlanError(f"install(cost={cost!r}) must be a microplan cost model, e.g. FlopsCost.from_hf_config(...).")
-    _SETTINGS.update(cost=cost if cost is not None else VERL_WORKLOAD, short_step=short_step)
+    try:
+        reset(cost=cost, hf_config=hf_config, metering=bool(meter))
+    except PlanError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise PlanError(f"install(hf_config=...) could not read the model's shape: {exc}; pass a transformers "
+                        "config or its dict (hidden_size, num_hidden_layers, num_attention_heads, ...).") from None
+    _SETTINGS.update(short_step=short_step)
+    _wrap_engines()
     if _PATCHED:
         return
     mine = {name: globals()[name] for name in _NAMES}
@@ -264,11 +276,22 @@ def uninstall() -> None:
     while _PATCHED:
         mod, name, original = _PATCHED.pop()
         setattr(mod, name, original)
-    _SETTINGS.update(cost=VERL_WORKLOAD, short_step="error")
+    unwrap_engines()
+    reset()
+    _SETTINGS.update(short_step="error")
 
 
 def installed() -> bool:
     return bool(_PATCHED)
+
+
+def _wrap_engines() -> None:
+    """Meter verl's FSDP engine when it imports here (it needs peft/accelerate; see ``_verl_meter``)."""
+    try:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    except Exception:  # noqa: BLE001 - an engine that cannot import here is not the one running here
+        return
+    wrap_engine(FSDPEngine)
 
 
 # -- helpers -------------------------------------------------------------------------------------
