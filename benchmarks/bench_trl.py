@@ -8,7 +8,8 @@ random tokens, so generation costs nothing and both runs train on the same rows.
 gradient accumulation 1, so the old log-prob pass runs; beta 0.04, so the reference pass runs;
 TRL's default gradient checkpointing). The training step is TRL's ``training_step`` wall time
 (log-prob passes + loss forward + backward + optimizer) minus the rollout's; the first
-generation's steps are warm-up and are not counted. Runs are interleaved (TRL, microplan, TRL,
+generation's steps are warm-up and are not counted (``--quick``: one generation, both steps
+counted). Runs are interleaved (TRL, microplan, TRL,
 microplan) and the minimum per configuration is kept. Also reported: tokens the model computes
 per training forward (the padded rows' real tokens vs the tries'), and the parameters' relative
 difference after the run (float32: TRL's fused LM head rounds a row differently with and without
@@ -126,11 +127,11 @@ def run(share: bool | None, opts: argparse.Namespace) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="2 layers, hidden 128, 1 repeat (~2 min)")
+    ap.add_argument("--quick", action="store_true", help="2 layers, one generation (2 steps, no warm-up), 1 repeat")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
     opts = ap.parse_args()
-    opts.layers, opts.hidden, opts.steps = (2, 128, 4) if opts.quick else (4, 128, 4)
+    opts.layers, opts.hidden, opts.steps = (2, 128, 2) if opts.quick else (4, 128, 4)
     repeats = 1 if opts.quick else opts.repeats
     import torch
     torch.set_num_threads(max(1, os.cpu_count() or 1))
@@ -138,7 +139,7 @@ def main() -> None:
     for _ in range(repeats):  # interleaved
         rows["TRL"].append(run(None, opts))
         rows["microplan share_prefixes"].append(run(True, opts))
-    warm = 2  # the first generation's two steps
+    warm = 0 if opts.quick else 2  # the first generation's two steps
     table = {}
     for name, runs in rows.items():
         per_run = [float(np.sum(r["step_s"][warm:])) for r in runs]
@@ -150,7 +151,7 @@ def main() -> None:
                 / rows["TRL"][0]["params"].norm())
     print(f"GRPOTrainer, Llama {opts.layers} layers hidden {opts.hidden} float32, CPU ({torch.get_num_threads()} "
           f"threads); 2 groups × n=8 per generation, prompts 1400–1600 tokens, completions 100–400")
-    print(f"{'path':28s} {'train s/step':>12s} {'runs (s, steps 3..)':>22s}")
+    print(f"{'path':28s} {'train s/step':>12s} {'runs (s, timed steps)':>22s}")
     for name, t in table.items():
         print(f"{name:28s} {t['train_s_per_step']:12.2f} {str([round(x, 1) for x in t['runs_s']]):>22s}")
     print(f"speed-up of the training step (log-prob passes + loss fwd + bwd, no generation): {speedup:.2f}x")

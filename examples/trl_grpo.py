@@ -11,7 +11,9 @@ the same seed — with TRL's own split, then with microplan's — and the script
 split's chunk shapes and checks that every row trains, that microplan's chunks are trimmed, and
 that the update is the same (TRL's ``dapo`` loss divides every chunk by the generation batch's
 token count, so the split cannot change the gradient; HF's RMSNorm computes in float32, hence
-~1e-9 rather than 1e-15). Prints ``OK`` lines; exits non-zero on any mismatch.
+~1e-9 rather than 1e-15). A third run adds ``share_prefixes=True``: each group's prompt is
+computed once per micro-batch (prefix-tree rows) in the training forward, with the same update.
+Prints ``OK`` lines; exits non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -53,15 +55,16 @@ def make_trainer(output_dir: str):
                        args=args, train_dataset=data, processing_class=tk)
 
 
-def grpo_step(patch: bool, output_dir: str) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
-    """One optimizer step, with microplan's split when ``patch``: the parameter update and, per
-    generation batch, the (rows, completion width) of each chunk the split produced."""
+def grpo_step(patch: bool, output_dir: str, share: bool = False) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """One optimizer step, with microplan's split when ``patch`` (and its prefix-tree model passes
+    when ``share``): the parameter update and, per generation batch, the (rows, completion width)
+    of each chunk the split produced."""
     import trl.trainer.grpo_trainer as grpo
 
     trainer = make_trainer(output_dir)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     if patch:
-        mpt.install(trainer)  # refuses per-chunk-mean losses; mpt.uninstall() restores TRL's split
+        mpt.install(trainer, share_prefixes=share)  # mpt.uninstall() restores TRL
     split, shapes = grpo.split_tensor_dict, []
 
     def spy(d, k):
@@ -82,6 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         theirs, their_shapes = grpo_step(False, os.path.join(out, "trl"))
         ours, our_shapes = grpo_step(True, os.path.join(out, "microplan"))
+        shared, _ = grpo_step(True, os.path.join(out, "shared"), share=True)
     print(f"TRL split chunks (rows, completion width): {their_shapes}")
     print(f"microplan split chunks (rows, completion width): {our_shapes}")
     rel = float((ours - theirs).norm() / theirs.norm())
@@ -90,6 +94,10 @@ def main() -> None:
     assert min(w for g in our_shapes for _, w in g) < max(w for g in their_shapes for _, w in g), "no chunk trimmed"
     assert rel < 1e-6, f"the update differs from TRL's own split by {rel:.1e}"
     print("OK every row trains, chunks trimmed, same parameter update as TRL's own split")
+    rel_shared = float((shared - theirs).norm() / theirs.norm())
+    print(f"relative difference of the parameter updates with shared prompts: {rel_shared:.1e}")
+    assert rel_shared < 1e-6, f"the update with shared prompts differs from TRL's by {rel_shared:.1e}"
+    print("OK each prompt computed once per micro-batch, same parameter update as TRL's own path")
 
 
 if __name__ == "__main__":

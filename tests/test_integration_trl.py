@@ -122,7 +122,8 @@ def test_a_real_grpo_step_gives_the_same_update_as_trls_split(tmp_path):
     assert sum(s[0] for s in our_shapes[0]) == sum(s[0] for s in their_shapes[0])  # every row trains
     assert min(s[1] for s in our_shapes[0]) < their_shapes[0][0][1], "no chunk was trimmed"
     assert rel < 1e-6
-    assert "OK every row trains" in out.stdout
+    assert float(figure("relative difference of the parameter updates with shared prompts")) < 1e-6
+    assert "OK every row trains" in out.stdout and "OK each prompt computed once" in out.stdout
 
 
 # -- optimizer-step windows and the loss types' rules ------------------------------------------------

@@ -171,6 +171,7 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     """verl's ``rearrange_micro_batches``: (list of TensorDict micro-batches, index lists), planned by microplan."""
     import torch
     from verl.utils import tensordict_utils as tu
+    _wrap_engines()
     layout = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group=dp_group,
                                 num_batches_divided_by=num_batches_divided_by,
                                 same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
@@ -259,8 +260,8 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
         raise PlanError(f"install(hf_config=...) could not read the model's shape: {exc}; pass a transformers "
                         "config or its dict (hidden_size, num_hidden_layers, num_attention_heads, ...).") from None
     _SETTINGS.update(short_step=short_step)
-    _wrap_engines()
     if _PATCHED:
+        _wrap_engines()
         return
     mine = {name: globals()[name] for name in _NAMES}
     theirs = {name: getattr(sb, name) for name in _NAMES}
@@ -269,6 +270,7 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
             if getattr(mod, name, None) is theirs[name]:
                 _PATCHED.append((mod, name, theirs[name]))
                 setattr(mod, name, mine[name])
+    _wrap_engines()
 
 
 def uninstall() -> None:
@@ -286,12 +288,12 @@ def installed() -> bool:
 
 
 def _wrap_engines() -> None:
-    """Meter verl's FSDP engine when it imports here (it needs peft/accelerate; see ``_verl_meter``)."""
-    try:
-        from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
-    except Exception:  # noqa: BLE001 - an engine that cannot import here is not the one running here
-        return
-    wrap_engine(FSDPEngine)
+    """Meter verl's FSDP engine once it is imported in this process (see ``_verl_meter``); called
+    by install() and by every balancing call, so an engine imported after install() is metered
+    from its second step on. Importing it here would cost seconds in processes that never train."""
+    engine = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
+    if _PATCHED and engine is not None and hasattr(engine, "FSDPEngine"):
+        wrap_engine(engine.FSDPEngine)
 
 
 # -- helpers -------------------------------------------------------------------------------------
