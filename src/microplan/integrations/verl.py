@@ -234,7 +234,7 @@ def restore_dynamic_batch(data: Any, batch_idx_list: list[list[int]]) -> Any:
 # -- the switch ----------------------------------------------------------------------------------
 
 def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step: str = "error",
-            meter: bool = True) -> None:
+            share_prefixes: bool = False, meter: bool = True) -> None:
     """Route verl's sequence balancing through microplan in this process (idempotent).
 
     Replaces the four functions in ``verl.utils.seqlen_balancing`` and in every loaded ``verl``
@@ -243,6 +243,8 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     ``hf_config`` (a dict or a transformers config; in a worker, verl's engine's own config),
     then the machine's seconds learned online (``meter``; see ``_verl_meter``).
     ``short_step``: ``"error"`` (default) or ``"pad"`` (see the module note).
+    ``share_prefixes``: reserved for prefix-tree micro-batches in verl's engine (needs
+    ``share_prefixes`` × ``placement="local"`` in the planner); True is refused for now.
     """
     try:
         import verl.utils.seqlen_balancing as sb
@@ -250,6 +252,9 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
         raise ImportError(f"microplan.integrations.verl.install() needs verl: {INSTALL_HINT}") from exc
     if short_step not in ("error", "pad"):
         raise PlanError(f"install(short_step={short_step!r}) must be 'error' or 'pad'.")
+    if share_prefixes is not False:  # the seam: plan_micro_batches' PlanConfig gets share_prefixes=True
+        raise PlanError(f"install(share_prefixes={share_prefixes!r}): prefix-tree micro-batches in verl's engine are "
+                        "not available yet (they need shared prefixes with local placement); leave it False.")
     if cost is not None and not isinstance(cost, CostModel):
         raise PlanError(f"install(cost={cost!r}) must be a microplan cost model, e.g. FlopsCost.from_hf_config(...).")
     try:
