@@ -19,7 +19,16 @@ verl's own ``get_seqlen_balanced_partitions(calculate_workload(lens), dp, equal_
   passes ``FlopsCost.from_hf_config(model_config)`` would.
 
 A last row replaces verl's driver split by the drop-in's (``install()`` patches both sides), so
-its inputs to the worker side differ: it shows the end-to-end effect. All rows are scored by
+its inputs to the worker side differ: it shows the end-to-end effect.
+
+Under a truth (second table): the same steps scored under a simulated machine the planner never
+sees (``benchmarks.truths.truth``: a Llama-2-7B's FLOPs with attention 2.5x slower per FLOP than
+the GEMMs and a per-micro overhead of 2 % of a cap-full micro-batch), for verl, the drop-in with
+verl's 7B workload constant (the old default), ``install(hf_config=LLAMA2_7B)`` with no cost and
+no timings (the new default's first step), and the same after 3 metered warm-up steps (a
+``CostMeter`` with that FLOPs prior fed each warm-up step's micro-batch times, truth × (1 + 3 %
+noise), from plans made with its own current fit — what the engine loop does); for that row the
+meter's predicted lockstep time of the scored step is compared with the truth's. All rows are scored by
 benchmarks/metrics.py with the benchmark's 7B cost: over-cap and empty
 micro-batches, equal counts, lockstep / LB (global lower bound) and lockstep / rank LB (the best
 any micro-batching can do on the given split). Run:
@@ -48,6 +57,7 @@ from microplan.planner import build_plan  # noqa: E402
 from benchmarks._results import save_json  # noqa: E402
 from benchmarks.bench_planners import FAMILIES, SPG, format_table, make_step, summarise  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, step_metrics  # noqa: E402
+from benchmarks.truths import LLAMA2_7B, truth  # noqa: E402
 
 
 def driver_split(lens: np.ndarray, dp: int) -> list[list[int]]:
@@ -127,6 +137,51 @@ def run_case(family: str, dp: int, seed: int, cost) -> list[dict]:
     return rows
 
 
+def _lockstep(plan: list[list[np.ndarray]], lens: np.ndarray, cost) -> float:
+    K = max(len(row) for row in plan)
+    return float(sum(max((cost.micro_cost(lens[row[m]]) if m < len(row) and len(row[m]) else 0.0) for row in plan)
+                     for m in range(K)))
+
+
+def run_truth_case(family: str, dp: int, seed: int, warmup: int = 3) -> list[dict]:
+    """The second table's rows for one step (module note)."""
+    _, cap, _ = FAMILIES[family]
+    spg = SPG[seed % len(SPG)]
+    machine = truth(2.5, 0.02, cap)
+    prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
+    meter = mp.CostMeter(prior=prior)
+    rng = np.random.default_rng(seed)
+    for j in range(warmup):  # the engine loop: plan with the current fit, time every micro-batch, record
+        b = make_step(family, dp, spg, 1000 + 7 * seed + j)
+        wl = np.asarray(b.seq_lens)[: b.num_samples // dp * dp]
+        for row in run_microplan(driver_split(wl, dp), wl, cap, meter.cost()):
+            for idx in row:
+                meter.record(wl[idx], machine.micro_cost(wl[idx]) * max(1 + 0.03 * rng.standard_normal(), 0.05))
+    batch = make_step(family, dp, spg, seed)
+    lens = np.asarray(batch.seq_lens)[: batch.num_samples // dp * dp]
+    parts = driver_split(lens, dp)
+    learned = meter.cost()
+    planners = (("verl 0.9.1 (real)", lambda: run_verl(parts, lens, cap)),
+                ("drop-in, verl's 7B constant (old default)", lambda: run_microplan(parts, lens, cap)),
+                ("drop-in, install(hf_config=...)", lambda: run_microplan(parts, lens, cap, prior)),
+                (f"drop-in, after {warmup} metered steps", lambda: run_microplan(parts, lens, cap, learned)))
+    rows = []
+    for name, fn in planners:
+        row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=int(lens.size), cap=cap)
+        t = time.perf_counter()
+        try:
+            plan = fn()
+        except ValueError as exc:
+            rows.append({**row, "crash": f"{type(exc).__name__}: {exc}"[:200]})
+            continue
+        m = step_metrics(plan, lens, dp=dp, cap=cap, cost=machine)
+        extra = {}
+        if name.endswith("metered steps"):
+            extra["predicted_over_truth"] = _lockstep(plan, lens, learned) / _lockstep(plan, lens, machine)
+        rows.append({**row, "crash": None, "ms": (time.perf_counter() - t) * 1e3, **m.to_dict(), **extra})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="dp 8 and 32, 3 seeds")
@@ -148,9 +203,22 @@ def main(argv: list[str] | None = None) -> dict:
               f"empty {sum(r['empties'] for r in ok)}, unequal counts {sum(not r['equal_counts'] for r in ok)}, "
               f"lockstep/rankLB median {np.median([r['lockstep_rank_ratio'] for r in ok]):.4f} worst "
               f"{max(r['lockstep_rank_ratio'] for r in ok):.4f}")
+    truth_rows = [r for fam in FAMILIES for dp in (8, 32) for seed in seeds for r in run_truth_case(fam, dp, seed)]
+    truth_summary = summarise(truth_rows)
+    print("\nUnder a truth the planner does not see (attention 2.5x slower per FLOP, 2 % per-micro overhead; "
+          "dp 8 and 32); cells: median/worst")
+    print(format_table(truth_summary))
+    for name in dict.fromkeys(r["planner"] for r in truth_rows):
+        ok = [r for r in truth_rows if r["crash"] is None and r["planner"] == name]
+        line = (f"  {name}: lockstep/rankLB median {np.median([r['lockstep_rank_ratio'] for r in ok]):.4f} worst "
+                f"{max(r['lockstep_rank_ratio'] for r in ok):.4f} over {len(ok)} cases")
+        if ok and "predicted_over_truth" in ok[0]:
+            err = [abs(r["predicted_over_truth"] - 1) for r in ok]
+            line += f"; meter's predicted step time vs truth: median {np.median(err):.2%}, worst {max(err):.2%}"
+        print(line)
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
                   verl=__import__("verl").__version__, cost=cost.to_dict(), dp=list(dps), seeds=list(seeds),
-                  summary=summary, rows=rows)
+                  summary=summary, rows=rows, truth_summary=truth_summary, truth_rows=truth_rows)
     if not args.no_write:
         stem = save_json("verl", result)
         print(f"\nwrote {stem}.json")

@@ -14,7 +14,9 @@ token count, so the split cannot change the gradient). The model is float64 end 
 HF's ``LlamaRMSNorm`` casts to float32 even in a float64 model, so every norm is swapped for a
 dtype-preserving one, same math and parameters, as tests/_tiny_model.py does). One float32 step
 remains, TRL's own: its fused LM head (``fused_lm_head=True`` in GRPOTrainer) computes the
-log-probs in float32, so the two updates agree to ~2e-9 (measured 2.3e-9), checked at 1e-8. Prints the ``OK`` result line first, then the figures;
+log-probs in float32, so the two updates agree to ~2e-9 (measured 2.3e-9), checked at 1e-8. A third run adds ``share_prefixes=True``:
+each group's prompt is computed once per micro-batch (prefix-tree rows) in the training forward,
+with the same update (checked at 1e-6). Prints the ``OK`` result lines first, then the figures;
 exits non-zero on any mismatch. transformers' and TRL's warnings about this toy setup (CPU,
 tiny model, no tqdm) are silenced, so the output is the result.
 """
@@ -86,15 +88,16 @@ def make_trainer(output_dir: str):
     return trainer
 
 
-def grpo_step(patch: bool, output_dir: str) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
-    """One optimizer step, with microplan's split when ``patch``: the parameter update and, per
-    generation batch, the (rows, completion width) of each chunk the split produced."""
+def grpo_step(patch: bool, output_dir: str, share: bool = False) -> tuple[torch.Tensor, list[list[tuple[int, int]]]]:
+    """One optimizer step, with microplan's split when ``patch`` (and its prefix-tree model passes
+    when ``share``): the parameter update and, per generation batch, the (rows, completion width)
+    of each chunk the split produced."""
     import trl.trainer.grpo_trainer as grpo
 
     trainer = make_trainer(output_dir)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     if patch:
-        mpt.install(trainer)  # refuses per-chunk-mean losses; mpt.uninstall() restores TRL's split
+        mpt.install(trainer, share_prefixes=share)  # mpt.uninstall() restores TRL
     split, shapes = grpo.split_tensor_dict, []
 
     def spy(d, k):
@@ -116,14 +119,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         theirs, their_shapes = grpo_step(False, os.path.join(out, "trl"))
         ours, our_shapes = grpo_step(True, os.path.join(out, "microplan"))
+        shared, _ = grpo_step(True, os.path.join(out, "shared"), share=True)
     rel = float((ours - theirs).norm() / theirs.norm())
     assert [sum(r for r, _ in g) for g in our_shapes] == [sum(r for r, _ in g) for g in their_shapes], "rows lost"
     assert min(w for g in our_shapes for _, w in g) < max(w for g in their_shapes for _, w in g), "no chunk trimmed"
     assert rel < 1e-8, f"the update differs from TRL's own split by {rel:.1e}"
+    rel_shared = float((shared - theirs).norm() / theirs.norm())
+    assert rel_shared < 1e-6, f"the update with shared prompts differs from TRL's by {rel_shared:.1e}"
     print(f"OK every row trains, chunks trimmed, same parameter update as TRL's own split (relative difference {rel:.1e})")
+    print(f"OK each prompt computed once per micro-batch, same parameter update as TRL's own path "
+          f"(relative difference {rel_shared:.1e})")
     print(f"TRL split chunks (rows, completion width): {their_shapes}")
     print(f"microplan split chunks (rows, completion width): {our_shapes}")
     print(f"relative difference of the parameter updates: {rel:.1e}")
+    print(f"relative difference of the parameter updates with shared prompts: {rel_shared:.1e}")
 
 
 if __name__ == "__main__":

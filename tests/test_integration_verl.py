@@ -134,11 +134,14 @@ def test_num_batches_divided_by_aligns_and_order_is_pipeline_order():
     _guarantees(micros, idx, data.batch["attention_mask"].sum(1), 300)
     plain, _ = mpv.rearrange_micro_batches(data.batch, max_token_len=300, num_batches_divided_by=4,
                                            use_dynamic_bsz_balance=False)
-    work = [int(vsb.calculate_workload(m["attention_mask"].sum(1)).sum()) for m in plain]
-    assert work == sorted(work, reverse=True)  # without balance: heaviest first (verl's workload model)
+    from microplan.integrations._verl_meter import FALLBACK, current_cost
+    assert current_cost() == FALLBACK  # no model config, no timings: tokens (+ per micro), not verl's 7B constant
+    cost = lambda m: FALLBACK.micro_cost(m["attention_mask"].sum(1).numpy())  # noqa: E731
+    work = [cost(m) for m in plain]
+    assert work == sorted(work, reverse=True)  # without balance: heaviest first (by the drop-in's cost)
     K = len(plain)
     pipeline = list(range(K))[::2][::-1] + list(range(K))[1::2]  # verl's order: light at both ends
-    assert [int(vsb.calculate_workload(m["attention_mask"].sum(1)).sum()) for m in micros] == [work[i] for i in pipeline]
+    assert [cost(m) for m in micros] == [work[i] for i in pipeline]
 
 
 def test_get_seqlen_balanced_partitions_matches_verls_contract():
@@ -216,13 +219,17 @@ def test_drop_in_on_gloo_ranks_with_uneven_batches(world, nested):
         assert K <= out[0]["verl"]["count"], (K, out[0]["verl"])
 
 
-def _short_worker(rank: int, world: int, pad: bool) -> dict:
+def _short_worker(rank: int, world: int, pad: bool, nested: bool = False) -> dict:
     """Rank 0 holds 2 samples, rank 1 many: rank 1 needs more micro-batches than rank 0 has samples."""
     import torch.distributed as dist
+    from verl.utils import tensordict_utils as tu
     n = 2 if rank == 0 else 12
     ids = torch.arange(n * 100).reshape(n, 100) + 10_000 * rank
     mask = torch.ones(n, 100, dtype=torch.long)
-    td = DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask}).batch
+    if nested:
+        td = tu.get_tensordict({"input_ids": torch.nested.as_nested_tensor(list(ids), layout=torch.jagged)})
+    else:
+        td = DataProto.from_single_dict({"input_ids": ids, "attention_mask": mask}).batch
     if pad:
         mpv.install(short_step="pad")
     try:
@@ -245,6 +252,17 @@ def test_a_rank_too_short_fails_every_rank_or_pads_explicitly():
     assert not any(isinstance(o, RankError) for o in out), out
     assert len(out[0]["sizes"]) == len(out[1]["sizes"]) == 4  # 12 × 100 tokens at 300 per micro-batch
     assert sorted(out[0]["sizes"]) == [0, 0, 1, 1] and min(out[1]["sizes"]) > 0
+
+
+def test_jagged_input_with_pad_is_refused_on_every_rank():
+    """The defect: with install(short_step="pad") and verl's jagged (nested) input, the rank given an
+    empty micro-batch raised ``AssertionError: Must provide at least one tensor`` in verl's
+    index_select_tensor_dict while the other rank went on (a hang in a real run). Now every rank
+    raises the same PlanError, with the fix, before any micro-batch is built."""
+    out = run_gloo(_short_worker, 2, args=(True, True), timeout_s=120)
+    assert all(isinstance(o, RankError) and o.type == "PlanError" for o in out), out
+    assert out[0].message == out[1].message
+    assert "rank(s) [0]" in out[0].message and "use_remove_padding=False" in out[0].message
 
 
 # -- (c) install(), verl's engine helper, exact loss weights ------------------------------------------
@@ -318,3 +336,102 @@ def test_loss_weights_are_global_over_gloo_ranks():
     # DP average of the ranks' losses = the global token mean J
     J = sum(o["sum"] for o in out) / sum(o["n"] for o in out)
     assert sum(o["weighted"] for o in out) / 3 == pytest.approx(J, rel=1e-12)
+
+
+# -- (d) the trained model's cost, learned online -------------------------------------------------
+
+def test_install_balances_with_the_trained_models_cost():
+    from transformers import LlamaConfig
+
+    from microplan.integrations._verl_meter import FALLBACK, current_cost
+    cfg = dict(model_type="llama", hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
+               num_key_value_heads=2, intermediate_size=1408, vocab_size=32000, hidden_act="silu")
+    mpv.install(hf_config=cfg)
+    try:
+        assert current_cost() == mp.FlopsCost.from_hf_config(cfg)
+        mpv.install(hf_config=LlamaConfig(**{k: v for k, v in cfg.items() if k != "model_type"}))  # a transformers config works the same
+        assert current_cost() == mp.FlopsCost.from_hf_config(cfg)
+        mpv.install()
+        assert current_cost() == FALLBACK and current_cost() != mpv.VERL_WORKLOAD  # no other model's constant
+        mpv.install(cost=mpv.VERL_WORKLOAD, hf_config=cfg)
+        assert current_cost() == mpv.VERL_WORKLOAD  # an explicit cost wins
+        with pytest.raises(mp.PlanError, match="hidden_size"):
+            mpv.install(hf_config={**cfg, "hidden_size": "big"})
+        with pytest.raises(mp.PlanError, match="share_prefixes"):
+            mpv.install(share_prefixes=True)  # the seam for prefix-tree micro-batches, not yet open
+    finally:
+        mpv.uninstall()
+
+
+def test_install_meters_verls_fsdp_engine():
+    pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
+                        reason=f"verl's FSDP engine needs peft, accelerate and datasets: {INSTALL_HINT}")
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+    before = FSDPEngine.forward_backward_batch
+    mpv.install()
+    try:
+        assert FSDPEngine.forward_backward_batch is not before
+    finally:
+        mpv.uninstall()
+    assert FSDPEngine.forward_backward_batch is before
+
+
+class _Engine:
+    """verl's engine loop in miniature: prepare_micro_batches (the patched balancer), then
+    forward_step per micro-batch with a time that the planner does not see (∝ 1.5·L + L²/400 + a
+    per-micro overhead), on the engine's data-parallel group."""
+
+    class model_config:
+        hf_config = dict(model_type="llama", hidden_act="silu", hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         intermediate_size=128, vocab_size=256)
+
+    def get_data_parallel_group(self):
+        import torch.distributed as dist
+        return dist.group.WORLD
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        import time
+        lens = micro_batch["input_ids"].offsets().diff().double()
+        time.sleep(float(2e-6 * (1.5 * lens.sum() + (lens ** 2).sum() / 400) + 2e-3))
+        return torch.zeros(()), {}
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from verl.utils import seqlen_balancing as sb
+        micros, idx = sb.rearrange_micro_batches(data, max_token_len=3000, dp_group=self.get_data_parallel_group())
+        for m in micros:
+            self.forward_step(m, loss_function, forward_only)
+        return {"metrics": {}}
+
+
+def _meter_worker(rank: int, world: int) -> dict:
+    from verl.utils import tensordict_utils as tu
+
+    from microplan.integrations import _verl_meter as vm
+    mpv.install()
+    vm.wrap_engine(_Engine)
+    try:
+        engine, out = _Engine(), []
+        for step in range(4):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            lens = torch.randint(50, 1500, (12 + 4 * rank,), generator=g)
+            rows = [torch.zeros(int(L), dtype=torch.long) for L in lens]
+            td = tu.get_tensordict({"input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged)})
+            out.append(engine.forward_backward_batch(td, None)["metrics"])
+        fit = vm.current_cost().to_dict()
+        return {"metrics": out, "fit": fit, "records": vm.STATE["meter"].num_records}
+    finally:
+        mpv.uninstall()
+
+
+def test_the_engine_loop_feeds_one_meter_per_step_identical_on_every_rank():
+    """The worker derives the FLOPs prior from the engine's model config, records every rank's
+    micro-batch times (one gather per step) and reports predicted vs measured in verl's metrics;
+    every rank holds the same fit, so the plans keep agreeing (plan_distributed checks the
+    fingerprints every step)."""
+    out = run_gloo(_meter_worker, 2, timeout_s=240)
+    assert not any(isinstance(o, RankError) for o in out), out
+    assert out[0]["fit"] == out[1]["fit"] and out[0]["records"] == out[1]["records"] > 0
+    first, later = out[0]["metrics"][0], out[0]["metrics"][1:]
+    assert "microplan/measured_s" in first and "microplan/predicted_s" not in first  # FLOPs: no seconds yet
+    for m in later:
+        assert m["microplan/measured_s"][0] > 0 and abs(m["microplan/predicted_error"][0]) < 0.5

@@ -1,62 +1,85 @@
-"""microplan as TRL's gradient-accumulation split: a drop-in for ``split_tensor_dict`` (GRPO trainer).
+"""microplan inside TRL's GRPOTrainer: token-balanced accumulation chunks, every loss type, shared prompts.
 
-Why this seam. Of the three frameworks considered, TRL's planner seam is the smallest public one:
-``GRPOTrainer._prepare_inputs`` generates one local generation batch and cuts it into
-``steps_per_generation`` micro-batches with ONE module-level function,
-``trl.trainer.grpo_trainer.split_tensor_dict(tensor_dict, num_chunks)``, which takes equal row
-counts in order. OpenRLHF's micro-batching lives inside ``NaiveReplayBuffer.setup_dynamic_batch``
-(state on the buffer, an all-reduce MAX and KK without the cap mixed with loss bookkeeping) and
-needs flash-attn and deepspeed to install; SkyRL is not installable from the package index for
-this Python. TRL installs from PyPI on CPU.
+Why this seam. TRL's planner seam is the smallest public one: ``GRPOTrainer._prepare_inputs``
+generates one local generation batch and cuts it into ``steps_per_generation`` chunks with ONE
+module-level function, ``trl.trainer.grpo_trainer.split_tensor_dict(tensor_dict, num_chunks)``
+(equal row counts, in order), and every model pass goes through ONE method,
+``_get_per_token_logps_and_entropies``. (OpenRLHF's micro-batching lives inside its replay buffer
+and needs flash-attn and deepspeed; SkyRL is not installable for this Python.)
 
-What it does. The chunks become microplan micro-batches of this process's rows: exactly
-``num_chunks`` of them (``align = num_chunks``), balanced by the rows' real tokens (prompt mask +
-completion mask), heaviest first; each chunk's completion tensors are then trimmed to its longest completion, so a chunk of short
-completions runs short tensors. Rows are never dropped (TRL's split drops the remainder
-of ``B % num_chunks``). Exactness: the chunks have unequal row counts, which is exact for TRL's
-globally normalised losses (``dapo`` — the default —, ``cispo``, ``vespo``: each chunk divides by
-the generation batch's ``num_items_in_batch``) and NOT for the per-chunk means (``grpo``, ``bnpo``,
-``dr_grpo``, ``sapo``, ``luspo``); :func:`install` refuses those. Multimodal batches (extra 2-D
-keys) are split by rows without trimming.
+What ``install(trainer, share_prefixes=False)`` does:
+
+1. replaces the split with :func:`split_tensor_dict`: rows move only among the chunks of one
+   optimizer step (``_trl_split.windows``: one generation feeding two optimizer steps keeps each
+   step's rows), under the loss type's rule (``_trl_split.RULES``): ``dapo``/``cispo``/``vespo``
+   any non-empty chunks; ``grpo``/``sapo``/``dr_grpo``/``luspo`` TRL's row count per chunk;
+   ``bnpo`` — and any loss with the entropy bonus, a top-entropy mask or an aux loss — TRL's rows;
+   balanced by tokens within that, each chunk trimmed to its longest completion;
+2. with ``share_prefixes=True``: keeps each prompt group in one chunk where the rule allows,
+   sets ``microplan.torch.register_attention()`` on the policy and reference models (their own
+   attention runs generation) and replaces ``_get_per_token_logps_and_entropies`` with
+   prefix-tree rows
+   (:mod:`._trl_shared`): each distinct prompt — and completion prefix — once per micro-batch in
+   the training forward and the old / reference log-prob passes. TRL's losses, KL, importance
+   sampling and masks consume the same ``[B, T]`` tensors as before.
+
+Every rule is exact: the parameters after the optimizer steps equal TRL's own in float64 up to
+rounding (tests/test_integration_trl.py, every loss type, with and without sharing). Rows that
+TRL's split leaves out (``B % num_chunks``) are left out here too.
 
     import microplan.integrations.trl as mpt
-    mpt.install(trainer)        # checks trainer.loss_type; patches TRL's split; mpt.uninstall()
+    mpt.install(trainer, share_prefixes=True)   # mpt.uninstall() restores TRL
 """
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import numpy as np
 
-from ..batch import Batch
-from ..config import PlanConfig
-from ..cost.models import TokenCost
 from ..errors import PlanError
-from ..planner import build_plan
+from ._trl_split import RULES, partition, row_groups, windows
 
-__all__ = ["split_tensor_dict", "install", "uninstall", "EXACT_LOSS_TYPES"]
+__all__ = ["split_tensor_dict", "install", "uninstall", "installed", "rule_of", "EXACT_LOSS_TYPES"]
 
-EXACT_LOSS_TYPES = ("dapo", "cispo", "vespo")
+#: every loss type the drop-in handles exactly (the rule of each: ``_trl_split.RULES``).
+EXACT_LOSS_TYPES = tuple(RULES)
 _COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", "ref_per_token_logps",
                     "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask")
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 _PATCHED: list[tuple[Any, str, Any]] = []
+_STATE: dict[str, Any] = {"trainer": None, "rule": "free", "share": False}
 
 
 def split_tensor_dict(tensor_dict: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
-    """TRL's ``split_tensor_dict``: ``num_chunks`` dicts of rows, token-balanced and trimmed (module note)."""
+    """TRL's ``split_tensor_dict``: ``num_chunks`` dicts of rows, re-cut within each optimizer step (module note).
+
+    Called by an installed trainer, it follows that trainer's accumulation windows and loss rule;
+    called directly, all chunks are one window under the ``free`` rule.
+    """
     rows = _rows(tensor_dict)
     k = int(num_chunks)
     if k < 1 or rows < k:
         raise PlanError(f"split_tensor_dict: {rows} rows cannot fill num_chunks={k} non-empty chunks; generate at "
                         "least steps_per_generation rows per process.")
+    size = rows // k  # TRL's chunk size; rows past k * size train in no chunk, as in TRL
+    trainer, rule, share = _STATE["trainer"], _STATE["rule"], _STATE["share"]
+    step, args = getattr(trainer, "_step", None), getattr(trainer, "args", None)
+    if step is None or args is None:
+        wins = windows(k, None, None)
+    else:
+        wins = windows(k, int(step), int(args.gradient_accumulation_steps), int(getattr(trainer, "num_iterations", 1)))
     lens = _row_tokens(tensor_dict, rows)
-    cfg = PlanConfig(dp_size=1, max_tokens_per_micro=int(lens.sum()), align=k, cost=TokenCost())
-    micros = build_plan(Batch(lens), cfg).steps[0].micros[0]
-    assert len(micros) == k  # one rank, no cap that binds: K is align = num_chunks
+    groups, prompt = _groups(tensor_dict, rows)
     trim = set(tensor_dict) <= set(_COMPLETION_KEYS) | set(_PROMPT_KEYS) | {"advantages", "num_items_in_batch"}
-    return [_take(tensor_dict, m.indices, trim) for m in micros]
+    out = []
+    for win in wins:
+        first = win.start * size
+        sel = np.arange(first, win.stop * size, dtype=np.int64)
+        parts = partition(lens[sel], groups[sel], prompt[sel], [size] * len(win), rule, share)
+        out.extend(_take(tensor_dict, sel[p], trim) for p in parts)
+    return out
 
 
 def _rows(d: dict[str, Any]) -> int:
@@ -74,6 +97,13 @@ def _row_tokens(d: dict[str, Any], rows: int) -> np.ndarray:
         if m is not None and not isinstance(m, list):
             tok += m.sum(dim=1).cpu().numpy().astype(np.int64)
     return np.maximum(tok, 1)
+
+
+def _groups(d: dict[str, Any], rows: int) -> tuple[np.ndarray, np.ndarray]:
+    ids, mask = d.get("prompt_ids"), d.get("prompt_mask")
+    if ids is None or mask is None or isinstance(ids, list) or isinstance(mask, list):
+        return np.arange(rows, dtype=np.int64), np.zeros(rows, dtype=np.int64)
+    return row_groups(ids, mask)
 
 
 def _take(d: dict[str, Any], idx: np.ndarray, trim: bool) -> dict[str, Any]:
@@ -112,31 +142,85 @@ def _trim(c: dict[str, Any]) -> None:
             c[key] = v[:, :w]
 
 
-def install(trainer: Any = None) -> None:
-    """Route TRL's GRPO gradient-accumulation split through microplan in this process.
+def rule_of(trainer: Any) -> str:
+    """The re-cut rule exact for this trainer's loss (``free``, ``count`` or ``keep``; module note).
 
-    ``trainer``: the ``GRPOTrainer`` (or anything with ``loss_type``); its loss must be one of
-    :data:`EXACT_LOSS_TYPES`, else PlanError (unequal chunks would change a per-chunk mean).
+    Raises PlanError for a loss type whose normaliser is unknown to this version."""
+    loss_type = getattr(trainer, "loss_type", None)
+    if loss_type not in RULES:
+        raise PlanError(f"GRPOTrainer.loss_type={loss_type!r} is not one microplan knows how to keep exact (known: "
+                        f"{', '.join(RULES)}); keep TRL's own split (do not call install) for this loss.")
+    per_chunk_stats = (getattr(trainer, "_entropy_bonus_enabled", False)
+                       or float(getattr(trainer, "top_entropy_quantile", 1.0)) < 1.0
+                       or getattr(trainer, "aux_loss_enabled", False))
+    return "keep" if per_chunk_stats else RULES[loss_type]
+
+
+def install(trainer: Any = None, *, share_prefixes: bool = False) -> None:
+    """Route TRL's GRPO gradient-accumulation split (and, with ``share_prefixes``, its model passes) through microplan.
+
+    ``trainer``: the ``GRPOTrainer``; its ``loss_type`` picks the exact rule (:func:`rule_of`), its
+    step counter and accumulation steps the optimizer-step windows. Without a trainer the split
+    is patched with one window and the ``free`` rule (exact for ``dapo``/``cispo``/``vespo`` when
+    one generation feeds one optimizer step). ``share_prefixes=True`` needs the trainer.
     """
     try:
         import trl.trainer.grpo_trainer as grpo
     except ImportError as exc:
         raise ImportError("microplan.integrations.trl.install() needs TRL: pip install trl") from exc
-    loss_type = getattr(trainer, "loss_type", None) if trainer is not None else None
-    if trainer is not None and loss_type not in EXACT_LOSS_TYPES:
-        raise PlanError(f"GRPOTrainer.loss_type={loss_type!r} normalises each gradient-accumulation chunk by its own "
-                        f"size, so unequal token-balanced chunks would change the objective; use one of "
-                        f"{', '.join(EXACT_LOSS_TYPES)} (dapo is TRL's default) or keep TRL's split.")
+    if not isinstance(share_prefixes, bool):
+        raise PlanError(f"install(share_prefixes={share_prefixes!r}) must be True or False.")
+    if share_prefixes and trainer is None:
+        raise PlanError("install(share_prefixes=True) needs the GRPOTrainer: install(trainer, share_prefixes=True).")
+    rule = rule_of(trainer) if trainer is not None else "free"
     if _PATCHED:
-        return
+        uninstall()
+    _STATE.update(trainer=trainer, rule=rule, share=share_prefixes)
     import trl.trainer.utils as tu
     for mod in (grpo, tu):
         _PATCHED.append((mod, "split_tensor_dict", mod.split_tensor_dict))
         mod.split_tensor_dict = split_tensor_dict
+    if share_prefixes:
+        _share(trainer)
+
+
+def _share(trainer: Any) -> None:
+    """Tree rows for every model pass of ``trainer`` (see ``_trl_shared``): microplan's attention on
+    the policy and reference models, their own around generation."""
+    from ..torch import register_attention
+    from ._trl_shared import attention, backbone_of, per_token_logps
+    name = register_attention()
+    models = [m for m in (trainer.model, getattr(trainer, "ref_model", None)) if m is not None]
+    own = [backbone_of(m).config._attn_implementation for m in models]
+    for m, before in zip(models, own):
+        _PATCHED.append((m, "attention", before))
+        backbone_of(m).set_attn_implementation(name)
+    logps, generate = trainer._get_per_token_logps_and_entropies, trainer._generate_single_turn
+
+    def shared(self: Any, model: Any, input_ids: Any, attention_mask: Any, logits_to_keep: int, **kwargs: Any) -> Any:
+        return per_token_logps(self, logps, model, input_ids, attention_mask, logits_to_keep, **kwargs)
+
+    def generate_with_own_attention(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with attention(models, own):
+            return generate(*args, **kwargs)
+    for attr, fn in (("_get_per_token_logps_and_entropies", shared), ("_generate_single_turn", generate_with_own_attention)):
+        _PATCHED.append((trainer, attr, None))
+        setattr(trainer, attr, types.MethodType(fn, trainer))
 
 
 def uninstall() -> None:
-    """Put TRL's own split back."""
+    """Put TRL's own split, model passes and attention back."""
     while _PATCHED:
-        mod, name, original = _PATCHED.pop()
-        setattr(mod, name, original)
+        obj, name, original = _PATCHED.pop()
+        if name == "attention":
+            from ._trl_shared import backbone_of
+            backbone_of(obj).set_attn_implementation(original)
+        elif original is None:
+            obj.__dict__.pop(name, None)
+        else:
+            setattr(obj, name, original)
+    _STATE.update(trainer=None, rule="free", share=False)
+
+
+def installed() -> bool:
+    return bool(_PATCHED)

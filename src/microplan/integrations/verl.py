@@ -25,7 +25,9 @@ slots. ``num_batches_divided_by`` is ``align``, ``min_num_micro_batch`` the mini
 verl). When a rank holds fewer samples than the K another rank needs, verl 0.9.1 raises; so does
 the drop-in by default (the same :class:`~microplan.PlanError`, a ``ValueError``, on every
 rank), or ``install(short_step="pad")`` gives that rank explicit empty micro-batches (empty index
-lists; ``restore_dynamic_batch`` still restores the order).
+lists; ``restore_dynamic_batch`` still restores the order) — with padded input only: verl's jagged
+(nested) input cannot hold an empty micro-batch, so there every rank raises the same PlanError
+(the plan is the same everywhere) before any micro-batch is built.
 
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
@@ -51,6 +53,7 @@ from ..plan import Plan
 from ..planner import build_plan
 from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
+from ._verl_meter import current_cost, reset, unwrap_engines, wrap_engine
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
            "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
@@ -62,7 +65,7 @@ INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
 #: micro-batch looks free and the K search would split steps for nothing.
 VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
-_SETTINGS: dict[str, Any] = {"cost": VERL_WORKLOAD, "short_step": "error"}
+_SETTINGS: dict[str, Any] = {"short_step": "error"}
 _PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
 _NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
           "restore_dynamic_batch")
@@ -140,7 +143,7 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
         raise PlanError(f"short_step={short!r}: the verl drop-in supports 'error' (verl 0.9.1's behaviour: refuse) "
                         "or 'pad' (explicit empty micro-batches); 'drop' would lose samples verl restores.")
     config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
-                  short_step=short, cost=cost if cost is not None else _SETTINGS["cost"], placement="local")
+                  short_step=short, cost=cost if cost is not None else current_cost(), placement="local")
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
     if _synced(dp_group, same_micro_num_in_dp):
         from ..torch.distributed import local_view, plan_distributed
@@ -168,12 +171,29 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     """verl's ``rearrange_micro_batches``: (list of TensorDict micro-batches, index lists), planned by microplan."""
     import torch
     from verl.utils import tensordict_utils as tu
+    _wrap_engines()
     layout = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group=dp_group,
                                 num_batches_divided_by=num_batches_divided_by,
                                 same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
                                 use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size)
+    _refuse_jagged_placeholders(batch, layout)
     micros = [tu.index_select_tensor_dict(batch, torch.tensor(idx, dtype=torch.long)) for idx in layout.index_lists]
     return micros, layout.index_lists
+
+
+def _refuse_jagged_placeholders(batch: Any, layout: VerlLayout) -> None:
+    """A jagged (nested) TensorDict cannot hold an empty micro-batch (verl's ``index_select_tensor_dict``
+    asserts "Must provide at least one tensor"); the plan is the same on every rank, so every rank
+    refuses here, before the micro-batches (and the forward's collectives) exist."""
+    if layout.plan is None or not layout.plan.steps or not getattr(batch["input_ids"], "is_nested", False):
+        return
+    short = [r for r, row in enumerate(layout.plan.steps[0].micros) if any(m.is_placeholder for m in row)]
+    if short:
+        K = layout.plan.steps[0].micro_count
+        raise PlanError(f"short_step='pad' gives rank(s) {short} an empty micro-batch (every rank runs K={K}), but "
+                        "verl's jagged (nested, remove-padding) input cannot hold an empty micro-batch; give every "
+                        f"rank at least {K} samples (balance the batch over the ranks, or raise max_token_len_per_gpu "
+                        "so fewer micro-batches are needed), or use padded input (use_remove_padding=False).")
 
 
 def prepare_dynamic_batch(data: Any, max_token_len: int, dp_group: Any = None, num_batches_divided_by: int | None = None,
@@ -213,13 +233,18 @@ def restore_dynamic_batch(data: Any, batch_idx_list: list[list[int]]) -> Any:
 
 # -- the switch ----------------------------------------------------------------------------------
 
-def install(*, cost: CostModel | None = None, short_step: str = "error") -> None:
+def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step: str = "error",
+            share_prefixes: bool = False, meter: bool = True) -> None:
     """Route verl's sequence balancing through microplan in this process (idempotent).
 
     Replaces the four functions in ``verl.utils.seqlen_balancing`` and in every loaded ``verl``
     module that imported them by name; modules imported later get them from the patched module.
-    ``cost``: the cost model to balance with (default: verl's own workload model);
+    ``cost``: a fixed cost model to balance with; default: the trained model's FLOPs from
+    ``hf_config`` (a dict or a transformers config; in a worker, verl's engine's own config),
+    then the machine's seconds learned online (``meter``; see ``_verl_meter``).
     ``short_step``: ``"error"`` (default) or ``"pad"`` (see the module note).
+    ``share_prefixes``: reserved for prefix-tree micro-batches in verl's engine (needs
+    ``share_prefixes`` × ``placement="local"`` in the planner); True is refused for now.
     """
     try:
         import verl.utils.seqlen_balancing as sb
@@ -227,10 +252,21 @@ def install(*, cost: CostModel | None = None, short_step: str = "error") -> None
         raise ImportError(f"microplan.integrations.verl.install() needs verl: {INSTALL_HINT}") from exc
     if short_step not in ("error", "pad"):
         raise PlanError(f"install(short_step={short_step!r}) must be 'error' or 'pad'.")
+    if share_prefixes is not False:  # the seam: plan_micro_batches' PlanConfig gets share_prefixes=True
+        raise PlanError(f"install(share_prefixes={share_prefixes!r}): prefix-tree micro-batches in verl's engine are "
+                        "not available yet (they need shared prefixes with local placement); leave it False.")
     if cost is not None and not isinstance(cost, CostModel):
         raise PlanError(f"install(cost={cost!r}) must be a microplan cost model, e.g. FlopsCost.from_hf_config(...).")
-    _SETTINGS.update(cost=cost if cost is not None else VERL_WORKLOAD, short_step=short_step)
+    try:
+        reset(cost=cost, hf_config=hf_config, metering=bool(meter))
+    except PlanError:
+        raise
+    except (TypeError, ValueError, KeyError, AttributeError) as exc:
+        raise PlanError(f"install(hf_config=...) could not read the model's shape: {exc}; pass a transformers "
+                        "config or its dict (hidden_size, num_hidden_layers, num_attention_heads, ...).") from None
+    _SETTINGS.update(short_step=short_step)
     if _PATCHED:
+        _wrap_engines()
         return
     mine = {name: globals()[name] for name in _NAMES}
     theirs = {name: getattr(sb, name) for name in _NAMES}
@@ -239,6 +275,7 @@ def install(*, cost: CostModel | None = None, short_step: str = "error") -> None
             if getattr(mod, name, None) is theirs[name]:
                 _PATCHED.append((mod, name, theirs[name]))
                 setattr(mod, name, mine[name])
+    _wrap_engines()
 
 
 def uninstall() -> None:
@@ -246,11 +283,22 @@ def uninstall() -> None:
     while _PATCHED:
         mod, name, original = _PATCHED.pop()
         setattr(mod, name, original)
-    _SETTINGS.update(cost=VERL_WORKLOAD, short_step="error")
+    unwrap_engines()
+    reset()
+    _SETTINGS.update(short_step="error")
 
 
 def installed() -> bool:
     return bool(_PATCHED)
+
+
+def _wrap_engines() -> None:
+    """Meter verl's FSDP engine once it is imported in this process (see ``_verl_meter``); called
+    by install() and by every balancing call, so an engine imported after install() is metered
+    from its second step on. Importing it here would cost seconds in processes that never train."""
+    engine = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
+    if _PATCHED and engine is not None and hasattr(engine, "FSDPEngine"):
+        wrap_engine(engine.FSDPEngine)
 
 
 # -- helpers -------------------------------------------------------------------------------------
