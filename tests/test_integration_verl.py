@@ -364,8 +364,7 @@ def test_install_balances_with_the_trained_models_cost():
 
 
 def test_install_meters_verls_fsdp_engine():
-    pytest.importorskip("verl.workers.engine.fsdp.transformer_impl",
-                        reason=f"verl's FSDP engine needs peft, accelerate and datasets: {INSTALL_HINT}")
+    require("verl.workers.engine.fsdp.transformer_impl")  # needs peft, accelerate and datasets (the 'verl' extra)
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
     before = FSDPEngine.forward_backward_batch
     mpv.install()
