@@ -150,3 +150,31 @@ def test_every_option_combination_plans_or_is_refused_by_the_table(bd, o):
     plan.validate()
     _recount(plan, b, cfg)
     event("planned")
+
+
+@given(bd=batches(), cap=st.integers(30, 300), local=st.booleans(), mult=st.sampled_from([1, 4]))
+def test_sharing_short_step_policies_agree_when_pad_needs_no_placeholder(bd, cap, local, mult):
+    """With sharing, 'error' and 'drop' give exactly the 'pad' plan whenever 'pad' needs no
+    placeholder (they used to refuse or re-plan such steps: tree parts were counted as samples);
+    when 'pad' uses placeholders, 'error' either finds a granularity that needs none or raises
+    naming samples."""
+    b, dp = bd
+    kw = dict(dp_size=dp, max_tokens_per_micro=cap, share_prefixes=True, pad_to_multiple_of=mult,
+              placement="local" if local else "global")
+    try:
+        pad = mp.plan(b, mp.PlanConfig(short_step="pad", **kw))
+    except mp.PlanError as exc:
+        assert DATA.search(str(exc)), str(exc)
+        return
+    if pad.stats.num_placeholders:
+        try:
+            err = mp.plan(b, mp.PlanConfig(short_step="error", **kw))
+        except mp.PlanError as exc:
+            assert "sample" in str(exc)
+        else:
+            err.validate()
+            assert err.stats.num_placeholders == 0
+        return
+    for policy in ("error", "drop"):
+        other = mp.plan(b, mp.PlanConfig(short_step=policy, **kw))
+        assert [s.micros for s in other.steps] == [s.micros for s in pad.steps], policy

@@ -6,10 +6,11 @@ large trees per rank, and cutting them duplicates root paths. So the step is lai
 whole trees (cut only where a tree exceeds the cap), with trees cut into parts of about the
 mean micro-batch load and half of it, and with one atom per sample (each micro-batch's samples
 still share their trie); the layout with the least predicted step time (then the fewest
-tokens) is kept. ``short_step`` is applied across candidates, not inside each one: a step that
-some candidate lays out without placeholders is planned identically under ``pad``, ``drop``
-and ``error``; only when none can does ``error`` raise (counting samples, not tree parts) and
-``drop`` drop whole trailing rollouts from the candidate that keeps the most samples.
+tokens) is kept. ``short_step`` is applied across candidates, not inside each one: ``pad``
+keeps the fastest candidate; ``drop`` and ``error`` keep the fastest that needs no placeholder —
+so whenever the ``pad`` plan needs none, all three give the same plan — and only when no
+candidate fills the ranks does ``error`` raise (counting samples, not tree parts) or ``drop``
+drop whole trailing rollouts from the candidate that keeps the most samples.
 
 Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
 exactly what the plain planner packs. Cost: up to four layouts per sharing step (one without).
