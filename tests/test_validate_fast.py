@@ -67,15 +67,16 @@ def _mutate(micro: Micro, kind: str, n: int, D: int, rng: np.random.Generator) -
     cp = [micro.cp_size, micro.cp_rank, micro.cp_group]
     fp, tree = micro.footprint, micro.tree
     j = int(rng.integers(0, max(i.size, 1)))
-    if kind == "index" and i.size:
+    ok = all(j < a.size for a in (i, sl, lt, ls))  # an earlier "short" mutation may have cut loss_scale
+    if kind == "index" and ok:
         i[j] = int(rng.choice([-1, n, n + 5, int(rng.integers(0, n))]))
-    elif kind == "seq_len" and i.size:
+    elif kind == "seq_len" and ok:
         sl[j] += 1
-    elif kind == "loss_tokens" and i.size:
+    elif kind == "loss_tokens" and ok:
         lt[j] = max(lt[j] - 1, 0) if lt[j] else 1
-    elif kind == "nan" and i.size:
+    elif kind == "nan" and ok:
         ls[j] = np.nan
-    elif kind == "scale" and i.size:
+    elif kind == "scale" and ok:
         ls[j] = ls[j] * (1 + 1e-9) + (1e-300 if ls[j] == 0 else 0.0)
     elif kind == "cp":
         k = int(rng.integers(0, 3))
