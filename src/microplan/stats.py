@@ -28,7 +28,7 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .cost.models import CostModel, bin_costs, row_costs
-from .footprint import Footprint, footprint_of, packing_cap
+from .footprint import Footprint, bin_footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
 from .stages.assign import grid_time
 from .stages.kchoice import best_lower_bound
@@ -48,13 +48,10 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint |
     sizes = np.array([m.indices.size for m in flat], dtype=np.int64)
     idx = np.concatenate([m.indices for m in flat]) if flat else np.zeros(0, dtype=np.int64)
     owner = np.repeat(np.arange(len(flat)), sizes)
-    body = fp.bin_costs(cost, idx, owner, len(flat))
-    for k, m in enumerate(flat):  # prefix-shared micro-batches: unique tokens, attention by depth
-        if m.tree is not None:
-            add = float(cost.tree_costs(np.array([m.tree.num_tokens]),  # type: ignore[attr-defined]
-                                        np.array([m.tree.depth_sq]))[0]) + (
-                0.0 if fp.vision_costs is None else float(fp.vision_costs[m.indices].sum()))
-            body[k] = bin_costs(cost, np.array([add]), np.array([float(m.tree.num_tokens)]), m.tree.members.size)[0]
+    # the one footprint function the planner priced the bins with: prefix tries (padded segments,
+    # row pad) with share_prefixes, the layout's rows otherwise
+    forest = forest_of(batch) if config.share_prefixes else None
+    body = bin_footprint(fp, cost, idx, owner, len(flat), forest=forest)[1]
     empty = sizes == 0  # placeholders: one dummy token
     one = np.ones(1, dtype=np.float64)
     body[empty] = bin_costs(cost, cost.sample_costs(one), one, 1)[0]

@@ -61,20 +61,20 @@ def _above(ep: np.ndarray, is_member: np.ndarray) -> _Above:
     n = ep.size
     idx = np.arange(n, dtype=np.int64)
     link = np.where((ep >= 0) & ~is_member[np.maximum(ep, 0)], ep, -1)   # climb through non-members
-    end = np.where(link >= 0, link, idx)
-    while True:
-        nxt = end[end]
-        if np.array_equal(nxt, end):
-            break
-        end = nxt
+    end = _last(np.where(link >= 0, link, idx))
     near = ep[end]                     # a member or -1
-    root = np.where(near >= 0, near, idx)
-    while True:
-        nxt = root[root]
-        if np.array_equal(nxt, root):
-            break
-        root = nxt
+    root = _last(np.where(near >= 0, near, idx))
     return _Above(near, root)
+
+
+def _last(step: np.ndarray) -> np.ndarray:
+    """Follow ``step`` (a forest of pointers, roots point to themselves) to its fixpoint by
+    pointer doubling: O(N log depth) numpy."""
+    while True:
+        nxt = step[step]
+        if np.array_equal(nxt, step):
+            return step
+        step = nxt
 
 
 class _Part:

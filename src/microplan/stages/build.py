@@ -35,11 +35,8 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     cfg, b = ctx.cfg, ctx.batch
     D, K = cfg.dp_size, lay.K
     atoms = lay.atoms
-    counts = atoms.ptr[lay.kept + 1] - atoms.ptr[lay.kept]
-    samples = atoms.samples_of(lay.kept)
-    sbin = np.repeat(lay.bin_of, counts)
-    order = np.argsort(samples, kind="stable")
-    kept, sbin = samples[order], sbin[order]       # ascending global index
+    order = np.argsort(lay.samples, kind="stable")
+    kept, sbin = lay.samples[order], lay.sample_bin[order]       # ascending global index
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, b.loss_tokens[kept], b.prompt_codes[kept], b.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)

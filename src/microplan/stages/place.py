@@ -46,6 +46,8 @@ class Layout(NamedTuple):
     grid: np.ndarray          # [dp, K] bin run by rank r in slot m
     K: int
     choice: KChoice | None
+    samples: np.ndarray       # member samples of the kept atoms, atom by atom
+    sample_bin: np.ndarray    # bin of each of those samples
     bin_tokens: np.ndarray    # footprint of each bin (what the cap counts)
     bin_costs: np.ndarray     # predicted cost of each bin (whole group under static CP)
     time: float               # predicted step time under cfg.sync
@@ -89,23 +91,18 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
         f = fit_step(s, atoms.label, atoms.tokens, atoms.costs, atoms.rollouts, run_cfg, view)
         kept, bin_of, K, choice = f.kept, f.bin_of, f.micro_count, f.choice
     dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
-    tokens, costs = _bins(atoms, kept, bin_of, D * K, ctx)
+    samples = atoms.samples_of(kept)
+    sample_bin = np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
+    forest = (ctx.parent, ctx.shared) if atoms.trees else None
+    tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else (costs - cfg.cost.per_micro) / cp + cfg.cost.per_micro  # type: ignore[union-attr]
     if ctx.local:  # each rank's own bins, heaviest first
         grid = np.argsort(-per_gpu.reshape(D, K), axis=1, kind="stable") + (np.arange(D) * K)[:, None]
     else:
         grid = arrange(per_gpu, D, K)
-    return Layout(atoms, kept, dropped, bin_of, grid, K, choice, tokens, costs, grid_time(per_gpu[grid], cfg.sync))
-
-
-def _bins(atoms: Atoms, kept: np.ndarray, bin_of: np.ndarray, nb: int, ctx: PlanContext) -> tuple[np.ndarray, np.ndarray]:
-    """Footprint and cost of every bin (``footprint.bin_footprint``)."""
-    counts = atoms.ptr[kept + 1] - atoms.ptr[kept]
-    samples = atoms.samples_of(kept)
-    sbin = np.repeat(bin_of, counts)
-    forest = (ctx.parent, ctx.shared) if atoms.trees else None
-    return bin_footprint(ctx.fp, ctx.cfg.cost, samples, sbin, nb, forest=forest)  # type: ignore[arg-type]
+    return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
+                  grid_time(per_gpu[grid], cfg.sync))
 
 
 def _atom_bin_cost(atoms: Atoms, ctx: PlanContext):
