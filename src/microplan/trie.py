@@ -38,7 +38,7 @@ import numpy as np
 
 from .prefix import PrefixTree
 
-__all__ = ["TrieSets", "TreeCut", "set_tries", "cut_trees", "forest_depths", "micro_trees", "padded_size"]
+__all__ = ["TrieSets", "TreeCut", "set_tries", "cut_trees", "forest_depths", "micro_trees"]
 
 _NARROW = 24   # levels with at most this many (set, node) pairs run in plain Python
 
@@ -79,11 +79,6 @@ def _distinct(x: np.ndarray) -> np.ndarray:
     """Sorted distinct values (a sort and a mask: numpy's hashing unique is slower on int64 keys)."""
     x = np.sort(x)
     return x[np.concatenate([[True], x[1:] != x[:-1]])] if x.size else x
-
-
-def padded_size(x: int, multiple: int) -> int:
-    """x tokens rounded up to the multiple (0 stays 0)."""
-    return -(-x // multiple) * multiple if x > 0 else 0
 
 
 def _unique_inverse(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

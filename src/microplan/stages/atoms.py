@@ -56,14 +56,6 @@ class Atoms(NamedTuple):
         idx = np.repeat(lo - np.cumsum(np.concatenate([[0], (hi - lo)[:-1]])), hi - lo) + np.arange(int((hi - lo).sum()))
         return self.members[idx]
 
-    def take(self, pos: np.ndarray) -> Atoms:
-        """The atoms at ``pos`` (a sub-step, e.g. the kept prefix of ``short_step="drop"``)."""
-        counts = self.ptr[pos + 1] - self.ptr[pos]
-        pick = lambda a: None if a is None else a[pos]  # noqa: E731
-        return Atoms(self.tokens[pos], self.costs[pos], self.rollouts[pos], self.label[pos], self.samples_of(pos),
-                     np.concatenate([[0], np.cumsum(counts)]).astype(np.int64), pick(self.owner), pick(self.vision),
-                     self.trees)
-
 
 def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
     """One atom per sample (what the plain planner packs; sharing plans still share inside a bin)."""
