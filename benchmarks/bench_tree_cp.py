@@ -2,13 +2,13 @@
 
 Design note. Two parts, side by side in one run.
 
-*Planning* (needs the planner to combine ``share_prefixes=True`` with ``ContextParallel``; until
-it does the script prints ``planner: share_prefixes x CP not available`` and goes on). A
+*Planning* (fixed ``ContextParallel(size=4)`` with ``share_prefixes=True`` plans; dynamic CP
+with sharing is not planned yet and prints ``planner: share_prefixes x CP not available``). A
 step-wise family with 16k–64k-token histories (``stepwise-multiturn``, ``max_len`` 65,536,
 prompts 16k–32k) at dp × cp = 8 × 4, planned under the ~7B cost model with fixed
 ``ContextParallel(size=4)`` and dynamic ``ContextParallel(max_size=4)``. Reported per plan:
 tokens without / with sharing, K, GPUs over the cap (each GPU's owned tokens under the
-``cp_shard`` cut, :func:`microplan.cp_cut.cp_loads`), and the per-GPU attention-cost balance
+``cp_shard`` cut, :func:`microplan.cp_cut.cp_loads`, plus 2 halo rows per segment), and the per-GPU attention-cost balance
 inside every CP group (max / mean of Σ (position+1) over each member's tokens; worst group).
 
 *Measured* (CPU, gloo, c = 2): one step-wise trajectory — a history of ``--history`` tokens,
@@ -50,6 +50,7 @@ from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
 VOCAB = 512
 UNAVAILABLE = "planner: share_prefixes x CP not available"
+MAX_LEN = 65024  # histories up to 64k: 4 GPUs x 16,384 minus room for each GPU's halo rows (2 per segment)
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -58,28 +59,31 @@ def plan_rows(seeds: range, cap: int) -> list[dict]:
     """Fixed and dynamic CP plans of the long step-wise family, with and without sharing."""
     rows = []
     for seed in seeds:
-        batch = generate("stepwise-multiturn", num_prompts=8, samples_per_prompt=4, max_len=65536,
+        batch = generate("stepwise-multiturn", num_prompts=8, samples_per_prompt=4, max_len=MAX_LEN,
                          prompt_len=(16384, 32768), seed=seed)
         for name, cp, dp in (("fixed cp 4", mp.ContextParallel(size=4), 8),
                              ("dynamic cp <= 4", mp.ContextParallel(max_size=4), 32)):
             cfg = dict(dp_size=dp, max_tokens_per_micro=cap, cost=dense_7b_cost(), context_parallel=cp)
+            t0 = time.perf_counter()
             try:
                 shared = mp.plan(batch, mp.PlanConfig(share_prefixes=True, **cfg))
             except mp.PlanError as exc:
                 if "share_prefixes" not in str(exc):
                     raise
-                print(UNAVAILABLE)
-                return rows
-            t0 = time.perf_counter()
+                print(f"{UNAVAILABLE} ({name})")
+                continue
+            plan_s = time.perf_counter() - t0
             plain = mp.plan(batch, mp.PlanConfig(**cfg))
-            rows.append(dict(seed=seed, cp=name, **_plan_figures(shared, cap), plan_s=time.perf_counter() - t0,
+            rows.append(dict(seed=seed, cp=name, **_plan_figures(shared, cap), plan_s=plan_s,
                              unshared_predicted=plain.stats.predicted_time))
     return rows
 
 
 def _plan_figures(plan: mp.Plan, cap: int) -> dict:
-    """Tokens, K, GPUs over the cap and the worst per-GPU attention max/mean inside a CP group."""
-    over, worst, groups = 0, 1.0, 0
+    """Tokens, K, GPUs over the cap (owned rows under the ``cp_shard`` cut plus 2 halo rows per
+    segment, ``footprint.gpu_tokens``) and the worst per-GPU attention max/mean inside a CP group."""
+    over, worst, groups, fullest = 0, 1.0, 0, 0
+    row_seg = plan.config.pad_row_to_multiple_of > 1
     for step in plan.steps:
         for row in step.micros:
             for m in row:
@@ -90,13 +94,15 @@ def _plan_figures(plan: mp.Plan, cap: int) -> dict:
                 else:
                     lens, starts = m.seq_lens, np.zeros_like(m.seq_lens)
                 loads = cp_loads(lens, starts, m.cp_size)
-                over += int((loads.tokens > cap).sum())
+                held = loads.tokens + (2 * (lens.size + row_seg) if m.cp_size > 1 else 0)
+                fullest = max(fullest, int(held.max()))
+                over += int((held > cap).sum())
                 if m.cp_size > 1:
                     groups += 1
                     worst = max(worst, float(loads.attention.max() / loads.attention.mean()))
     return dict(tokens_unshared=int(plan.stats.tokens_without_sharing), tokens=int(plan.stats.tokens_with_sharing),
-                K=[s.micro_count for s in plan.steps], over_cap=over, cp_groups=groups, attn_max_over_mean=worst,
-                predicted=plan.stats.predicted_time)
+                K=[s.micro_count for s in plan.steps], over_cap=over, fullest_gpu=fullest, cp_groups=groups,
+                attn_max_over_mean=worst, predicted=plan.stats.predicted_time)
 
 
 def cut_rows(seeds: range) -> list[dict]:
@@ -223,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cap", type=int, default=16384)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--plan-only", action="store_true", help="planning and cut rows only (no gloo run)")
     args = ap.parse_args(argv)
     if args.quick:
         args.history, args.turns, args.repeats = 512, 6, 2
@@ -230,16 +237,20 @@ def main(argv: list[str] | None = None) -> dict:
     if planning:
         print(f"\nplanning: stepwise-multiturn, histories 16k-64k, cap {args.cap}/GPU, 7B cost")
         print(f"{'seed':>4}  {'cp':<16} {'unshared':>10} {'shared':>9} {'ratio':>6} {'K':>10} {'over':>5} "
-              f"{'attn max/mean':>13} {'pred. speed-up':>14}")
+              f"{'fullest GPU':>11} {'attn max/mean':>13} {'pred. speed-up':>14} {'plan s':>7}")
         for r in planning:
             print(f"{r['seed']:>4}  {r['cp']:<16} {r['tokens_unshared']:>10,} {r['tokens']:>9,} "
                   f"{r['tokens_unshared'] / r['tokens']:>6.2f} {str(r['K']):>10} {r['over_cap']:>5} "
-                  f"{r['attn_max_over_mean']:>13.3f} {r['unshared_predicted'] / r['predicted']:>14.2f}")
+                  f"{r['fullest_gpu']:>11,} {r['attn_max_over_mean']:>13.3f} "
+                  f"{r['unshared_predicted'] / r['predicted']:>14.2f} {r['plan_s']:>7.3f}")
     cut = cut_rows(range(1 if args.quick else 3))
     print("\ncut (cp_shard's zigzag per segment) of the family's tree micro-batches, worst over micro-batches:")
     for r in cut:
         print(f"  seed {r['seed']} c={r['c']}: {r['micros']} trees (<= {r['segments_max']} segments), attention "
               f"max/mean {r['attn_max_over_mean']:.4f}, owned tokens differ by <= {r['token_spread']}")
+    if args.plan_only:
+        return record("tree-cp-plan", write=not args.no_write, args=vars(args), planning=planning or UNAVAILABLE,
+                      cut=cut)
     m = measured(args)
     print(f"\nmeasured: CPU gloo, c = 2, Llama {args.layers} layers hidden {args.hidden} float32, history "
           f"{args.history} + {args.turns} turns × ({args.obs} + {args.resp}), min of {args.repeats}")

@@ -49,7 +49,11 @@ if TYPE_CHECKING:  # pragma: no cover
     from .prefix import PrefixTree
 
 __all__ = ["LAYOUTS", "Layout", "Padding", "Footprint", "footprint_of", "padding_of", "packing_cap", "round_up",
-           "micro_footprint", "check_fits", "bin_footprint"]
+           "micro_footprint", "check_fits", "bin_footprint", "HALO_ROWS", "gpu_tokens", "halo_per_segment"]
+
+#: Rows a CP member computes beyond what it owns, per segment of the row (``torch/cp_shard.py``):
+#: the predecessor of each of its two zigzag chunks when another member owns it.
+HALO_ROWS = 2
 
 LAYOUTS: tuple[str, ...] = ("varlen", "padded", "padded-2d")
 Layout = Literal["varlen", "padded", "padded-2d"]
@@ -245,15 +249,40 @@ def packing_cap(config: PlanConfig) -> int | None:
     """The cap an additive packer checks Σ sample_tokens against (None for static batching).
 
     ``max_tokens_per_micro`` × static CP degree, lowered to a multiple of the row multiple in
-    the varlen layout (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r). Padded layouts pack with the plain cap.
+    the varlen layout (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r), less the halo room of the row pad's
+    segment for tree rows under CP (:func:`gpu_tokens`; the packer adds each atom's own halo
+    room). Padded layouts pack with the plain cap.
     """
     if config.max_tokens_per_micro is None:
         return None
-    cap = config.max_tokens_per_micro * config.static_cp_size
+    c = config.static_cp_size
+    cap = config.max_tokens_per_micro * c
     r = config.pad_row_to_multiple_of
     if config.layout == "varlen" and r > 1:
-        cap = cap // r * r
+        # tree rows under CP: the row pad is one more segment with halo rows (gpu_tokens)
+        cap = (cap - (halo_per_segment(c) if config.share_prefixes else 0)) // r * r
     return cap
+
+
+def gpu_tokens(row_tokens: Any, segments: Any, cp_size: Any) -> Any:
+    """Tokens one GPU of a CP group of ``cp_size`` computes for a row of ``row_tokens`` tokens in
+    ``segments`` segments (samples of a flat row, trie nodes of a tree row, plus the row's trailing
+    pad sequence): at most ⌈U/c⌉ owned rows (the zigzag cut, ``cp_cut.zigzag_owner``) plus
+    :data:`HALO_ROWS` halo rows per segment (``torch/cp_shard.py``); U itself when c = 1.
+    Ints or int arrays. This, not U/c, is what ``max_tokens_per_micro`` bounds under CP.
+
+    Packing form: ⌈U/c⌉ + 2·S ≤ cap ⟺ U + 2c·S ≤ c·cap (cap and S integers), so a packer that
+    counts :func:`halo_per_segment` extra row tokens per segment keeps every GPU under the cap.
+    """
+    c = np.asarray(cp_size)
+    out = np.where(c > 1, -(-np.asarray(row_tokens) // np.maximum(c, 1)) + HALO_ROWS * np.asarray(segments),
+                   row_tokens)
+    return int(out) if out.ndim == 0 else out
+
+
+def halo_per_segment(cp_size: int) -> int:
+    """Row tokens of packing room a segment's halos take in a CP group of ``cp_size`` (2c; 0 at c = 1)."""
+    return HALO_ROWS * cp_size if cp_size > 1 else 0
 
 
 def micro_footprint(fp: Footprint) -> Footprint | None:

@@ -29,7 +29,7 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
-from .footprint import Footprint, footprint_of, micro_footprint
+from .footprint import Footprint, footprint_of, gpu_tokens, micro_footprint
 from .prefix import forest_of, micro_tree
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step, _same_rules
@@ -73,9 +73,14 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
     if cfg.max_tokens_per_micro is not None:
         # what the GPU holds: the (validated) prefix trie, or the footprint re-derived from the batch
         held = 0 if not k else micro.tree.num_tokens if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[union-attr]
-        if held > micro.cp_size * cfg.max_tokens_per_micro:
+        segs = 0 if not k else micro.tree.start.size if cfg.share_prefixes else k  # type: ignore[union-attr]
+        gpu = gpu_tokens(held, segs + (fp.padding.row_multiple > 1), micro.cp_size) if cfg.share_prefixes \
+            else -(-held // micro.cp_size)  # flat rows: halos not counted yet (docs/context_parallel.md)
+        if gpu > cfg.max_tokens_per_micro:
             pad = "" if held == int(micro.seq_lens.sum()) else f" (padding included, layout={cfg.layout!r})"
-            _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size} exceed the per-GPU cap "
+            halo = "" if micro.cp_size == 1 or not cfg.share_prefixes else \
+                f", {gpu} on its fullest GPU counting 2 halo rows per segment"
+            _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size}{halo} exceed the per-GPU cap "
                   f"max_tokens_per_micro={cfg.max_tokens_per_micro}")
         vcap = cfg.max_vision_tokens_per_micro
         if vcap is not None and k and fp.vision(micro.indices) > vcap:

@@ -11,6 +11,7 @@ Options are properties of this stage, so they compose:
   their branches (``trie.cut_trees``); tokens are unique trie tokens, each segment padded to
   ``pad_to_multiple_of``; attention is priced by each token's depth (``tree_costs``); vision
   tokens add up over the members (an image is never assumed shared);
+- static context parallel with sharing: a tree atom's packing room includes its halo rows (``halo_room``);
 - ``placement="local"``: trees are cut per owner rank, so an atom never spans two ranks (what a
   rank holds of a group shares what is local).
 
@@ -25,10 +26,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
-from ..trie import TreeCut, cut_trees, set_tries
+from ..footprint import halo_per_segment
+from ..trie import TreeCut, cut_trees, micro_trees, set_tries
 from .context import PlanContext
 
-__all__ = ["Atoms", "sample_atoms", "tree_atoms"]
+__all__ = ["Atoms", "sample_atoms", "tree_atoms", "halo_room"]
 
 
 class Atoms(NamedTuple):
@@ -61,7 +63,12 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
     """One atom per sample (what the plain planner packs; sharing plans still share inside a bin)."""
     fp, b = ctx.fp, ctx.batch
     vis = None if ctx.vision_cap is None else fp.vision_tokens[samples]  # type: ignore[index]
-    return Atoms(fp.sample_tokens[samples], ctx.costs[samples], b.rollout_codes[samples], samples, samples,
+    tokens = fp.sample_tokens[samples]
+    if ctx.cfg.share_prefixes and fp.padding.sample_multiple > 1:
+        # a lone sample's trie runs through its ancestors' segments, each padded to the multiple
+        tokens = set_tries(ctx.parent, ctx.shared, b.seq_lens, samples, np.arange(samples.size), samples.size,
+                           multiple=fp.padding.sample_multiple).tokens
+    return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples,
                  np.arange(samples.size + 1, dtype=np.int64), None if ctx.owner is None else ctx.owner[samples],
                  vis, ctx.cfg.share_prefixes)
 
@@ -98,6 +105,21 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
         np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
     return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
                  np.concatenate(owner) if owner else None, vis, True)
+
+
+def halo_room(atoms: Atoms, ctx: PlanContext) -> np.ndarray | None:
+    """Row tokens each tree atom's CP halo rows take under static CP (``footprint.gpu_tokens``):
+    2c per segment of the atom's trie. A trie has one segment per owner (the sample whose tokens
+    it holds), so the trie of a bin has at most the sum of its atoms' segments: packing with this
+    room keeps every GPU under the cap, halos counted. None without CP, and for flat rows (their
+    halos, ≤ 2 per sample per GPU, are not counted yet: docs/context_parallel.md).
+    Cost: one ``trie.micro_trees`` pass over the atoms."""
+    h = halo_per_segment(ctx.cfg.static_cp_size)
+    if not h or not atoms.trees:
+        return None
+    atom_of = np.repeat(np.arange(atoms.size, dtype=np.int64), np.diff(atoms.ptr))
+    trees = micro_trees(ctx.parent, ctx.shared, ctx.batch.seq_lens, atoms.members, atom_of, atoms.size)
+    return h * np.fromiter((t.start.size for t in trees), dtype=np.int64, count=atoms.size)
 
 
 def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:

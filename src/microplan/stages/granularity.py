@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from .atoms import sample_atoms, tree_atoms
+from .atoms import Atoms, halo_room, sample_atoms, tree_atoms
 from .context import PlanContext
 from .fit import effective_cap
 from .place import Layout, lay_out
@@ -37,8 +37,25 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
         return lay_out(s, sample_atoms(samples, ctx), ctx)
     cap = effective_cap(ctx.cfg)
     assert cap is not None  # share_prefixes needs dynamic batching (config.py)
-    atoms = [tree_atoms(samples, ctx, cap)]
-    first = lay_out(s, atoms[0], ctx, short_step="pad")
+    errors: list[PlanError] = []
+
+    def attempt(a: Atoms) -> Layout | None:
+        """A candidate, or None when its atoms cannot be packed (a lone tree part whose halo rows
+        under CP take it over the cap)."""
+        try:
+            return lay_out(s, a, ctx, short_step="pad")
+        except PlanError as exc:
+            errors.append(exc)
+            return None
+
+    atoms = [_fitting_trees(samples, ctx, cap, cap)]
+    per_sample = sample_atoms(samples, ctx)
+    first = attempt(atoms[0]) or attempt(per_sample)
+    if first is None:
+        if ctx.cfg.static_cp_size > 1:
+            raise PlanError(f"{errors[-1]} Under context_parallel with share_prefixes the tokens counted include the "
+                            "row's halo rows: 2 per trie segment per GPU of the CP group (footprint.gpu_tokens).")
+        raise errors[-1]
     cands = [first]
     mean = float(first.bin_tokens.sum()) / max(first.bin_tokens.size, 1)
     largest, tried = int(first.bin_tokens.max(initial=0)), {cap}
@@ -46,10 +63,12 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
             tried.add(limit)
-            atoms.append(tree_atoms(samples, ctx, limit))
-            cands.append(lay_out(s, atoms[-1], ctx, short_step="pad"))
-    atoms.append(sample_atoms(samples, ctx))
-    cands.append(lay_out(s, atoms[-1], ctx, short_step="pad"))
+            atoms.append(_fitting_trees(samples, ctx, limit, cap))
+            cands.append(attempt(atoms[-1]))  # type: ignore[arg-type]
+    atoms.append(per_sample)
+    if first.atoms is not per_sample:
+        cands.append(attempt(per_sample))  # type: ignore[arg-type]
+    cands = [c for c in cands if c is not None]
     policy = ctx.cfg.short_step
     full = [c for c in cands if c.placeholders == 0]
     if policy == "pad":
@@ -70,3 +89,16 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     if best is None:
         raise err  # type: ignore[misc]
     return best
+
+
+def _fitting_trees(samples: np.ndarray, ctx: PlanContext, limit: int, cap: int) -> Atoms:
+    """Tree atoms of at most ``limit`` trie tokens whose packing size (halo room under CP
+    included) fits the cap: the limit drops by the excess until every atom fits."""
+    for _ in range(8):
+        atoms = tree_atoms(samples, ctx, limit)
+        halo = halo_room(atoms, ctx)
+        excess = np.zeros(0) if halo is None else atoms.tokens + halo - cap
+        if not (excess > 0).any() or limit <= 1:
+            return atoms
+        limit = max(1, min(limit, int(atoms.tokens[excess > 0].max())) - int(excess.max()))
+    return atoms

@@ -3,7 +3,8 @@
 Design note. One function, :func:`lay_out`, whatever the atoms are (samples or prefix-tree
 parts) and wherever they may go:
 
-1. placement: ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
+1. placement: under static CP with sharing an atom occupies its trie tokens plus its halo rows
+   (``atoms.halo_room``), so every GPU of a CP group stays under the cap; ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
    slot-target packing, ``short_step``); ``local`` packs each owner rank's atoms into its own K
    bins with one K for every rank (``local.fit_local``). Both see the same atom arrays and the
    same layout view (a vision cap every packer keeps; a padded layout's row geometry);
@@ -27,7 +28,7 @@ import numpy as np
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
-from .atoms import Atoms
+from .atoms import Atoms, halo_room
 from .context import PlanContext
 from .fit import fit_step
 from .layout import StepLayout, step_layout
@@ -82,19 +83,21 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     D = cfg.dp_size
     policy = cfg.short_step if short_step is None else short_step
     view = _view(atoms, ctx)
+    halo = halo_room(atoms, ctx)
+    lens = atoms.tokens if halo is None else atoms.tokens + halo
+    run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
     if ctx.local:
-        fit = fit_local(s, atoms.label, atoms.tokens, atoms.costs, atoms.owner, atoms.rollouts, cfg,  # type: ignore[arg-type]
+        fit = fit_local(s, atoms.label, lens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
                         ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
         kept, bin_of, K, choice = fit.kept, fit.bin_of, fit.K, fit.choice
     else:
-        run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
-        f = fit_step(s, atoms.label, atoms.tokens, atoms.costs, atoms.rollouts, run_cfg, view)
+        f = fit_step(s, atoms.label, lens, atoms.costs, atoms.rollouts, run_cfg, view)
         kept, bin_of, K, choice = f.kept, f.bin_of, f.micro_count, f.choice
-    dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
     samples = atoms.samples_of(kept)
     sample_bin = np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
     forest = (ctx.parent, ctx.shared) if atoms.trees else None
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
+    dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else (costs - cfg.cost.per_micro) / cp + cfg.cost.per_micro  # type: ignore[union-attr]
     if ctx.local:  # each rank's own bins, heaviest first

@@ -1,0 +1,103 @@
+"""share_prefixes × fixed context parallel: a prefix-tree row sharded over a CP group of c GPUs.
+
+The planner counts what a GPU really computes under ``PackedMicro.cp_shard`` — ⌈U/c⌉ owned rows
+plus up to 2 halo rows per trie segment (``footprint.gpu_tokens``). These tests check the plans
+against the torch sharding itself (every member's shard is packed and measured), not against the
+planner's own bound.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, note, settings
+from hypothesis import strategies as st
+
+import microplan as mp
+from microplan.footprint import gpu_tokens
+from test_prefix import realise
+
+torch = pytest.importorskip("torch", reason="pip install torch==2.13.0")  # the README's test install has it
+from microplan.torch import pack_micro  # noqa: E402
+
+
+@settings(max_examples=40)  # each example packs and shards every micro-batch with torch
+@given(seed=st.integers(0, 2**31), n=st.integers(1, 40), c=st.sampled_from([2, 4]), dp=st.sampled_from([1, 2, 3]),
+       cap=st.integers(24, 90), p_link=st.sampled_from([0.5, 0.9]), row=st.sampled_from([1, 1, 4]),
+       mult=st.sampled_from([1, 1, 2]))
+def test_every_gpu_of_a_tree_row_stays_under_the_cap_counting_halos(seed, n, c, dp, cap, p_link, row, mult):
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 60, size=n)
+    toks, parent, shared = realise(rng, lens, p_link=p_link)
+    b = mp.Batch(lens, prefix_parent=parent, shared_prefix_lens=shared)
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, share_prefixes=True, short_step="pad",
+                        context_parallel=mp.ContextParallel(size=c), pad_row_to_multiple_of=row,
+                        pad_to_multiple_of=mult)
+    try:
+        plan = mp.plan(b, cfg)
+    except mp.PlanError as exc:  # only a sample whose own row fits no CP group may be refused
+        from microplan.prefix import micro_tree
+        need = []
+        for i in range(n):
+            t = micro_tree(parent, shared, lens, np.array([i]))
+            U = int((-(-(t.end - t.start) // mult) * mult).sum())
+            need.append(gpu_tokens(-(-U // row) * row, t.start.size + (row > 1), c))
+        assert max(need) > cap, exc
+        return
+    plan.validate()
+    worst, computed = 0, 0
+    for step in plan.steps:
+        for r, micros in enumerate(step.micros):
+            for micro in micros:
+                p = pack_micro(micro, toks)
+                assert micro.cp_size == c
+                computed += p.num_tokens
+                for q in range(c):
+                    held = p.cp_shard(q).num_tokens  # owned + halo rows this GPU runs
+                    worst = max(worst, held)
+                    assert held <= cap, (step.index, r, q, held, cap)
+                if micro.tree is not None:  # the planner's bound covers the real shard
+                    segs = micro.tree.start.size + (row > 1)
+                    assert max(p.cp_shard(q).num_tokens for q in range(c)) <= gpu_tokens(p.num_tokens, segs, c)
+    note(f"worst GPU {worst} of cap {cap}")
+    assert computed <= int((-(-lens // mult) * mult).sum()) + plan.steps[0].micro_count * dp * (row + 1) * len(plan.steps)
+
+
+def test_grpo_trees_stay_whole_over_a_cp_group_and_compute_fewer_tokens():
+    """n = 8 completions of 2-8k-token prompts, cap 16k per GPU: without CP the trees (up to 40k
+    tokens) must be cut, over CP 4 they stay whole — the trie's tokens, ≥ 2.5x fewer than unshared."""
+    rng = np.random.default_rng(0)
+    lens, parent, shared = [], [], []
+    for _ in range(32):
+        P, base = int(rng.integers(2000, 8000)), len(lens)
+        for k in range(8):
+            lens.append(P + int(rng.integers(200, 4000)))
+            parent.append(-1 if k == 0 else base)
+            shared.append(0 if k == 0 else P)
+    b = mp.Batch(lens, prefix_parent=parent, shared_prefix_lens=shared)
+    trie = int(sum(lens)) - int(sum(shared))
+    base = dict(max_tokens_per_micro=16384, share_prefixes=True)
+    flat = mp.plan(b, mp.PlanConfig(dp_size=8, **base))
+    cp4 = mp.plan(b, mp.PlanConfig(dp_size=2, context_parallel=mp.ContextParallel(size=4), **base))
+    cp4.validate()
+    tokens = lambda plan: sum(m.num_tokens for s in plan.steps for row in s.micros for m in row)  # noqa: E731
+    assert tokens(cp4) == trie                       # every tree whole: each prompt computed once
+    assert tokens(flat) > trie                       # cut trees recompute their root paths
+    assert sum(lens) / tokens(cp4) >= 2.5
+    for s in cp4.steps:
+        for row in s.micros:
+            for m in row:
+                assert gpu_tokens(m.num_tokens, m.tree.start.size, 4) <= 16384
+
+
+def test_a_lone_sample_counts_its_ancestors_padded_segments():
+    """Regression: with pad_to_multiple_of a lone sample's trie holds its ancestors' segments, each
+    padded (3 → 4, then 5 → 8: 12 tokens, not the 8 of the sample padded alone). A per-sample atom
+    must count them, or a micro-batch goes over the cap (found by test_compose)."""
+    b = mp.Batch([6, 8], prefix_parent=[-1, 0], shared_prefix_lens=[0, 3])
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=8, share_prefixes=True, pad_to_multiple_of=4)
+    with pytest.raises(mp.PlanError, match="12 tokens"):
+        mp.plan(b, cfg)
+    plan = mp.plan(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=12, share_prefixes=True, pad_to_multiple_of=4))
+    plan.validate()
+    assert max(m.num_tokens for s in plan.steps for row in s.micros for m in row) <= 12
