@@ -1,0 +1,83 @@
+"""The granularity-aware bound on padded lockstep time (stages/padded_bound.py) against the
+exhaustive optimum (benchmarks/padded_optimum.py), and the contiguity lemma both rest on."""
+
+import sys
+from pathlib import Path
+
+import numpy as np
+from hypothesis import given
+from hypothesis import strategies as st
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: ``benchmarks``
+
+import microplan as mp  # noqa: E402
+from benchmarks.padded_optimum import brute_force_partitions, padded_optimum  # noqa: E402
+from microplan.cost.models import row_costs  # noqa: E402
+from microplan.stages.padded_bound import padded_lower_bound  # noqa: E402
+
+
+@st.composite
+def instances(draw, max_n: int = 8):
+    n = draw(st.integers(1, max_n))
+    lens = draw(st.lists(st.integers(1, 64), min_size=n, max_size=n))
+    dp = draw(st.integers(1, 3))
+    cap = draw(st.integers(max(lens), 320))
+    dense = draw(st.booleans())
+    cost = mp.FlopsCost(linear=draw(st.floats(0.01, 2.0)), quadratic=draw(st.floats(0.0, 0.1)),
+                        per_micro=draw(st.floats(0.0, 40.0)),
+                        packed_quadratic=draw(st.floats(0.01, 0.2)) if dense else 0.0)
+    return np.array(lens), dp, cap, cost, draw(st.sampled_from([1, 1, 4]))
+
+
+def _padded_cost(seq_lens, mult, cost) -> float:
+    k = len(seq_lens)
+    if k == 0:
+        return float(cost.per_micro)
+    w = float(-(-max(seq_lens) // mult) * mult)
+    return float(cost.per_micro) + k * float(row_costs(cost, np.array([w]), k)[0])
+
+
+@given(instances())
+def test_bound_never_above_the_exhaustive_optimum(case):
+    lens, dp, cap, cost, mult = case
+    opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
+    if not np.isfinite(opt.time):  # a sample over the cap once rounded up: no plan
+        return
+    b = padded_lower_bound(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
+    assert b.time <= opt.time * (1 + 1e-9)
+    assert b.volume <= b.time
+
+
+@given(instances(max_n=6))
+def test_contiguous_runs_reach_the_set_partition_optimum(case):
+    lens, dp, cap, cost, mult = case
+    runs = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult).time
+    every = brute_force_partitions(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
+    assert runs == every or abs(runs - every) <= 1e-9 * every
+
+
+def test_bound_by_hand():
+    # lens 4,4,1,1 on dp=2, row cost = W, per_micro 0, no cap. K=1: two runs, the best {4},{4,1,1}
+    # = max(4, 12) or {4,4},{1,1} = max(8, 2): 8. K=2: {4},{4},{1},{1}: slots max(4,4) + max(1,1) = 5.
+    cost = mp.FlopsCost(linear=1.0)
+    lens = np.array([4, 4, 1, 1])
+    assert padded_optimum(lens, dp=2, cap=None, cost=cost).time == 5.0
+    b = padded_lower_bound(lens, dp=2, cap=None, cost=cost)
+    assert b.time == 5.0  # K=1: the least padded cost of two runs is 8 + 2 = 10, over dp: 5; K=2: 10 / 2
+    # per_micro 3: K=1 costs 3 + 8 = 11, K=2 costs 6 + 5 = 11; the bound at K=1 is 3 + (8 + 2)/2 = 8
+    cost = mp.FlopsCost(linear=1.0, per_micro=3.0)
+    assert padded_optimum(lens, dp=2, cap=None, cost=cost).time == 11.0
+    assert padded_lower_bound(lens, dp=2, cap=None, cost=cost).time == 8.0
+
+
+@given(instances(max_n=7))
+def test_the_planner_is_never_below_the_bound(case):
+    lens, dp, cap, cost, mult = case
+    if int((-(-lens // mult) * mult).max()) > cap:
+        return
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, layout="padded", pad_to_multiple_of=mult)
+    plan = mp.plan(mp.Batch(lens.tolist()), cfg)
+    b = padded_lower_bound(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
+    opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
+    got = sum(max(_padded_cost(m.seq_lens, mult, cost) for m in col) for col in zip(*plan.steps[0].micros))
+    assert b.time <= opt.time * (1 + 1e-9) <= got * (1 + 1e-9)
