@@ -6,8 +6,13 @@ seed we build ONE optimizer step (``bench_planners.make_step``: ~16/32/64 sample
 family's cap and context window), lay it out with each planner and score it with
 ``metrics.padded_step_metrics`` (same definitions for everyone): padded tokens / real tokens,
 micro-batches over the cap counting padding, equal counts, lockstep / LB_pad (the padded cost
-of the plan's own micro-batches, perfectly balanced: balance only) and lockstep / LB_real (the
-varlen lower bound of the real tokens: padding and balance together). Planners (1D rows):
+of the plan's own micro-batches, perfectly balanced: balance only), lockstep / LB_gran (the
+granularity-aware bound of ``stages/padded_bound.py``, valid for every padded plan: padding and
+balance, no plan beats it) and lockstep / LB_real (the varlen lower bound of the real tokens:
+padding and balance together). A second table draws small steps (12 samples of each family,
+dp 2–3) and compares microplan's padded plan with the exhaustive optimum
+(``benchmarks/padded_optimum.py``) and that optimum with LB_gran: how far the plan is from the
+best plan, and how far the bound is from physics. Planners (1D rows):
 microplan ``layout="padded"``, NeMo-RL's sorted buckets, fixed micro_batch_size (verl/OpenRLHF
 static); 2D rows ([n, max prompt + max response]): microplan ``layout="padded-2d"`` vs UniRL's 2D
 FFD. ``microplan-varlen`` (the varlen plan, scored in varlen cost) is the reference a padded
@@ -38,6 +43,9 @@ from benchmarks.bench_planners import (FAMILIES, SPG, _agg, _mw, bench_args, gro
 from benchmarks.bench_planners import COLUMNS as _PLANNER_COLUMNS  # noqa: E402
 from benchmarks.bench_planners import format_table as _format_table  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, padded_step_metrics, step_metrics  # noqa: E402
+from benchmarks.padded_optimum import padded_optimum  # noqa: E402
+from microplan.stages.padded_bound import padded_lower_bound  # noqa: E402
+from microplan.traces import generate  # noqa: E402
 from benchmarks.peers.padded import plan_fixed_mbs, plan_sorted_buckets, plan_unirl_2d  # noqa: E402
 
 TARGETS = {"families": ["grpo-longtail", "stepwise-multiturn"], "waste_median": 1.05, "lockstep_median": 1.01,
@@ -68,6 +76,7 @@ def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list
     b = make_step(family, dp, spg, seed)
     lens, plens = np.asarray(b.seq_lens), np.asarray(b.prompt_lens)
     rows = []
+    gran = padded_lower_bound(lens, dp=dp, cap=cap, cost=cost).time  # valid for 2D rows too (wider)
     for name in planners:
         row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=b.num_samples,
                    tokens=int(lens.sum()), cap=cap)
@@ -78,7 +87,7 @@ def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list
             rows.append({**row, "ms": dt * 1e3, "over_cap": m.over_cap, "max_tokens_ratio": m.max_tokens_ratio,
                          "waste": 1.0, "equal_counts": m.equal_counts, "empties": m.empties, "lost": m.lost,
                          "duplicated": m.duplicated, "K": m.K, "lockstep_ratio": m.lockstep_ratio,
-                         "real_ratio": m.lockstep_ratio})
+                         "real_ratio": m.lockstep_ratio, "gran_ratio": float("nan")})
             continue
         if name in ("microplan", "microplan-2d"):
             plan, dt = _plan_microplan(b, dp, cap, cost, "padded" if name == "microplan" else "padded-2d")
@@ -89,7 +98,7 @@ def run_case(family: str, dp: int, seed: int, cost, planners: list[str]) -> list
         else:
             plan, dt = plan_unirl_2d(lens, plens, dp=dp, cap=cap), time.perf_counter() - t
         m = padded_step_metrics(plan, lens, dp=dp, cap=cap, cost=cost, prompt_lens=plens if name in TWO_D else None)
-        rows.append({**row, "ms": dt * 1e3, **m.to_dict()})
+        rows.append({**row, "ms": dt * 1e3, **m.to_dict(), "gran_ratio": m.lockstep / gran})
     return rows
 
 
@@ -98,7 +107,7 @@ def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -
     out = []
     for key, rs in group_rows(rows, keys).items():
         s = dict(zip(keys, key), cases=len(rs))
-        for col in ("over_cap", "max_tokens_ratio", "waste", "lockstep_ratio", "real_ratio", "ms", "K"):
+        for col in ("over_cap", "max_tokens_ratio", "waste", "lockstep_ratio", "gran_ratio", "real_ratio", "ms", "K"):
             s[col] = _agg([r[col] for r in rs])
         s["equal"] = float(np.mean([r["equal_counts"] for r in rs]))
         s["empties"] = _agg([r["empties"] for r in rs])
@@ -114,6 +123,7 @@ COLUMNS = [_SHARED["over-cap"], _SHARED["tok/cap"],
            _SHARED["equal"], _SHARED["empty"], _SHARED["lost/dup"],
            ("K", 7, lambda s: _mw(s["K"], ".0f")),
            ("lockstep/LB_pad", 15, lambda s: _mw(s["lockstep_ratio"], ".4f")),
+           ("lockstep/LB_gran", 16, lambda s: _mw(s["gran_ratio"], ".4f")),
            ("lockstep/LB_real", 16, lambda s: _mw(s["real_ratio"], ".4f")),
            _SHARED["plan ms"]]
 
@@ -133,8 +143,38 @@ def check_targets(summary: list[dict]) -> list[str]:
               s["over_cap"][1] == TARGETS["over_cap"])
         out.append(f"{s['family']}: padded/real median {s['waste'][0]:.3f} (<= 1.05: {'ok' if ok[0] else 'MISS'}), "
                    f"lockstep/LB_pad median {s['lockstep_ratio'][0]:.4f} (<= 1.01: {'ok' if ok[1] else 'MISS'}), "
+                   f"lockstep/LB_gran median {s['gran_ratio'][0]:.4f}, "
                    f"over-cap worst {s['over_cap'][1]:.0f} (0: {'ok' if ok[2] else 'MISS'})")
     return out
+
+
+def small_cases(families: list[str], cost, seeds: int = 12, n: int = 12) -> list[dict]:
+    """Small steps (n samples of a family, dp 2 or 3): microplan's padded plan vs the exhaustive
+    optimum vs LB_gran."""
+    rows = []
+    for fam in families:
+        max_len, cap, group = FAMILIES[fam]
+        for seed in range(seeds):
+            pool = np.asarray(generate(fam, num_prompts=8, samples_per_prompt=group, max_len=max_len, seed=seed).seq_lens)
+            lens = np.random.default_rng(seed).choice(pool, size=min(n, pool.size), replace=False)
+            dp = 2 + seed % 2
+            opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost)
+            plan, _ = _plan_microplan(mp.Batch(lens.tolist()), dp, cap, cost, "padded")
+            m = padded_step_metrics(plan, lens, dp=dp, cap=cap, cost=cost)
+            bound = padded_lower_bound(lens, dp=dp, cap=cap, cost=cost).time
+            rows.append(dict(family=fam, seed=seed, dp=dp, n=int(lens.size), K=len(plan[0]), K_opt=opt.K,
+                             plan_opt=m.lockstep / opt.time, opt_bound=opt.time / bound, plan_bound=m.lockstep / bound))
+    return rows
+
+
+def format_small(rows: list[dict]) -> str:
+    out = [f"{'family':<20}{'cases':>6}{'plan/opt':>16}{'opt/LB_gran':>16}{'plan/LB_gran':>16}{'K=K_opt':>9}",
+           "-" * 83]
+    for (fam,), rs in group_rows(rows, ("family",)).items():
+        cell = lambda col: _mw(_agg([r[col] for r in rs]), ".4f")  # noqa: E731
+        out.append(f"{fam:<20}{len(rs):>6}{cell('plan_opt'):>16}{cell('opt_bound'):>16}{cell('plan_bound'):>16}"
+                   f"{np.mean([r['K'] == r['K_opt'] for r in rs]):>9.0%}")
+    return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,12 +187,16 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nmicroplan by family x dp:")
     mp_rows = [r for r in rows if r["planner"] in ("microplan", "microplan-2d")]
     print(format_table(summarise(mp_rows, ("family", "dp", "planner")), ("family", "dp", "planner")))
+    small = small_cases([f for f in args.families if f in FAMILIES], cost, seeds=6 if args.quick else 12)
+    print("\nsmall steps (12 samples, dp 2-3): microplan layout='padded' vs the exhaustive optimum; median/worst")
+    print(format_small(small))
     print("\ntargets (microplan, layout='padded'):")
     for line in check_targets(summary):
         print("  " + line)
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
                   cost=cost.to_dict(), families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
-                  dp=list(dps), seeds=list(seeds), targets=TARGETS, labels=PLANNERS, summary=summary, rows=rows)
+                  dp=list(dps), seeds=list(seeds), targets=TARGETS, labels=PLANNERS, summary=summary, rows=rows,
+                  small=small)
     if not args.no_write:
         stem = save_json("layouts", result)
         print(f"\nwrote {stem}.json")

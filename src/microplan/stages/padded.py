@@ -31,7 +31,10 @@ medians): 1.013–1.017 padded/real tokens, 0 micro-batches over the cap, lockst
 the varlen lower bound (NeMo-RL's sorted buckets: 1.19–1.20 padded/real, 1.26–1.33×; a fixed
 micro_batch_size: 3.7–3.8×). Trade-off: balance within the padded cost is 1.04–1.05× its own
 bound — a padded micro-batch costs a whole multiple of its row, so with 2–10 samples per
-micro-batch slots cannot be evened finer. Cost: O(n log n) per τ, ~30 τ per K, a few K: 10–25 ms
+micro-batch slots cannot be evened finer; against the granularity-aware bound of
+``padded_bound.py`` the plan is 1.046–1.054× (median), and on 12-sample steps 1.014–1.034× the
+exhaustive optimum (median, ``benchmarks/padded_optimum.py``; worst 1.20 when the K walk stops
+below the optimum's K). Cost: O(n log n) per τ, ~30 τ per K, a few K: 10–25 ms
 at n = 0.1–2k (2D: 70–200 ms).
 """
 
