@@ -112,6 +112,7 @@ def test_priced_dynamic_cp_is_never_slower_than_fixed_cp_or_no_cp(case):
     dyn = mp.plan(batch, _cfg(D, cap, sync, cost, mp.ContextParallel(max_size=cmax)))
     dyn.validate()
     t_dyn = dyn.stats.predicted_time
+    assert dyn.stats.time_lower_bound <= t_dyn * (1 + 1e-9)  # the bound counts a priced split's GPU-time
     others = [("no CP", _cfg(D, cap, sync, cost, short_step="error"))]
     others += [(f"CP {w}", _cfg(D // w, cap, sync, cost, mp.ContextParallel(size=w), short_step="error"))
                for w in (1, 2, 4, 8) if w <= cmax]
@@ -121,6 +122,7 @@ def test_priced_dynamic_cp_is_never_slower_than_fixed_cp_or_no_cp(case):
         except mp.PlanError:  # a sample longer than w·cap, or a step short at this width
             continue
         note(f"{name}: {other.stats.predicted_time} dynamic: {t_dyn}")
+        assert other.stats.time_lower_bound <= other.stats.predicted_time * (1 + 1e-9)
         assert t_dyn <= other.stats.predicted_time * (1 + 1e-9)
 
 

@@ -28,7 +28,7 @@ import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
-from .cost.cp import cp_micro_costs
+from .cost.cp import cp_micro_costs, cp_work_floor
 from .cost.models import CostModel, bin_costs, row_costs
 from .footprint import Footprint, bin_footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
@@ -115,9 +115,21 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
     costs, view = fp.sample_costs(cost, idx), cost
     if fp.padded:
         costs, view = _padded_sample_costs(cost, fp, idx), _AdditiveView(float(cost.per_micro))
+    elif cfg.context_parallel is not None and getattr(cost, "cp", None) is not None:
+        costs = cp_work_floor(cost, costs, lens, _least_width(cfg, lens))  # a priced split costs GPU-time
     return best_lower_bound(costs, lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=view,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+def _least_width(cfg: PlanConfig, lens: np.ndarray) -> np.ndarray | int:
+    """The narrowest CP group each sample may run in: the fixed degree, or (dynamic) the power of two
+    its tokens need under the cap."""
+    cp = cfg.context_parallel
+    if cp is None or not cp.dynamic:
+        return cfg.static_cp_size
+    need = np.maximum(-(-lens // int(cfg.max_tokens_per_micro)), 1)  # type: ignore[arg-type]
+    return np.left_shift(1, np.ceil(np.log2(need)).astype(np.int64))
 
 
 class _AdditiveView(NamedTuple):

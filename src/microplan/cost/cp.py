@@ -42,7 +42,7 @@ import numpy as np
 from .._checks import float_field
 from ..errors import PlanError
 
-__all__ = ["CPCost", "cp_micro_costs", "DEFAULT_CP_EFFICIENCY", "DEFAULT_CP_OVERLAP", "DEFAULT_GPU_FLOPS"]
+__all__ = ["CPCost", "cp_micro_costs", "cp_work_floor", "DEFAULT_CP_EFFICIENCY", "DEFAULT_CP_OVERLAP", "DEFAULT_GPU_FLOPS"]
 
 #: Prior per-GPU efficiency of a split micro-batch (not measured here: fit it with CostMeter).
 DEFAULT_CP_EFFICIENCY = 0.95
@@ -143,6 +143,21 @@ def cp_micro_costs(cost: Any, micro_costs: np.ndarray | float, tokens: np.ndarra
         comm = cp.comm_per_token * np.asarray(tokens, dtype=np.float64) * (w - 1.0) / w
         split = compute + comm - cp.overlap * np.minimum(compute, comm) + cp.split_overhead + pm
     return np.where(w > 1, split, mc)
+
+
+def cp_work_floor(cost: Any, costs: np.ndarray, lens: np.ndarray, width: np.ndarray | int) -> np.ndarray:
+    """GPU-time (width × per-GPU cost, per_micro and split_overhead excluded) a sample of additive
+    cost ``costs`` and ``lens`` tokens costs at least in a group of ``width``: ``costs`` unsplit,
+    ``costs / efficiency + (1 − overlap) · comm_per_token · L · (width − 1)`` split. The price of a
+    micro-batch is at least the sum of these over its samples / width (compute and communication
+    add up over samples, and min(compute, comm) <= comm), so the plan's lower bounds stay bounds."""
+    c = np.asarray(costs, dtype=np.float64)
+    cp = getattr(cost, "cp", None)
+    if cp is None:
+        return c
+    w = np.asarray(width, dtype=np.float64)
+    split = c / cp.efficiency + (1.0 - cp.overlap) * cp.comm_per_token * np.asarray(lens, dtype=np.float64) * (w - 1.0)
+    return np.where(w > 1, split, c)
 
 
 def cp_from_dict(d: Mapping[str, Any] | None) -> CPCost | None:

@@ -45,7 +45,7 @@ from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
 from .layout import step_layout
 from .micros import binned_micros
-from .pack import lpt_pack_wide
+from .pack import lpt_pack, lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["plan_dynamic_cp_step", "cp_degrees"]
@@ -325,16 +325,18 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
         cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
             best = cand
+    best = _unsplit(best, cfg, fp)
     dropped = np.setdiff1d(samples, kept)
     why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
     return Step(s, best.grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
 
 
 class _Candidate(NamedTuple):
-    """One step layout: ``grid[r][m]`` and its predicted time under ``cfg.sync``."""
+    """One step layout: ``grid[r][m]``, its predicted time under ``cfg.sync`` and per-GPU costs."""
 
     grid: list[list[Micro]]
     time: float
+    cost: np.ndarray  # [D, K] per-GPU cost, per_micro included
 
 
 def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
@@ -364,7 +366,7 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
             rank_cost[start:start + w, m] = per_gpu[b]
             for q, r in enumerate(group):
                 grid[r][m] = Micro._trusted(*bins[b], w, q, group, footprint=mfp)
-    return _Candidate(grid, _step_time(rank_cost, cfg))  # type: ignore[arg-type]
+    return _Candidate(grid, _step_time(rank_cost, cfg), rank_cost)  # type: ignore[arg-type]
 
 
 def _uniform_widths(deg: np.ndarray, cfg: PlanConfig) -> list[int]:
@@ -405,8 +407,43 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
         grid.extend([Micro._trusted(*bins[b], w, q, group, footprint=micro_footprint(fp)) for b in placed[g]]
                     for q in range(w))
     rank_cost = per_gpu[placed]
-    return _Candidate(grid, _step_time(rank_cost, cfg))
+    return _Candidate(grid, _step_time(rank_cost, cfg), np.repeat(rank_cost, w, axis=0))
 
+
+
+def _unsplit(cand: _Candidate, cfg: PlanConfig, fp: Footprint) -> _Candidate:
+    """Run a CP group's micro-batch as one unsplit micro-batch per member GPU (same slot, same
+    GPUs, same K and loss scales) wherever its samples all fit one GPU and the CP price says the
+    slowest of those is faster than the split; only ever lowers a GPU's cost, so the step's
+    predicted time never rises. A priced cost only (perfect scaling never favours the unsplit run);
+    groups with vision caps or prefix trees are left as they are."""
+    if getattr(cfg.cost, "cp", None) is None or cfg.max_vision_tokens_per_micro is not None:
+        return cand
+    cap, mfp = int(group_room(1, cfg)), micro_footprint(fp)
+    grid, rank_cost = [row[:] for row in cand.grid], cand.cost.copy()
+    changed = False
+    for m in range(rank_cost.shape[1]):
+        for r in range(cfg.dp_size):
+            mi = grid[r][m]
+            w = mi.cp_size
+            if mi.cp_rank or w == 1 or mi.indices.size < w or mi.tree is not None:
+                continue
+            idx = mi.indices
+            b = lpt_pack(fp.sample_tokens[idx], fp.sample_costs(cfg.cost, idx), w, cap)  # type: ignore[arg-type]
+            if b is None or (fp.bin_tokens(idx, b, w) > cap).any():
+                continue
+            per = fp.bin_costs(cfg.cost, idx, b, w)  # type: ignore[arg-type]
+            if per.max() >= rank_cost[r, m] * (1 - 1e-12):
+                continue
+            for q, g in enumerate(mi.cp_group):
+                sel = np.flatnonzero(b == q)
+                parts = [a[sel] for a in (idx, mi.seq_lens, mi.loss_tokens, mi.loss_scale)]
+                for a in parts:
+                    a.setflags(write=False)
+                grid[g][m] = Micro._trusted(*parts, 1, 0, (g,), footprint=mfp)
+                rank_cost[g, m] = per[q]
+            changed = True
+    return _Candidate(grid, _step_time(rank_cost, cfg), rank_cost) if changed else cand
 
 
 def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> str:
