@@ -198,7 +198,7 @@ def plot(summary: list[dict], path: Path) -> None:
         ax.bar(x + 0.2, [s["truth_vs_fixed"][0] for s in rows], width=0.4, color=colors, alpha=0.5, label="hidden truth")
         ax.set_xticks(x, [s["config"] for s in rows], rotation=30, ha="right", fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_ylim(0.8, None)
+        ax.set_ylim(min(0.8, min(min(s["pred_vs_fixed"][0], s["truth_vs_fixed"][0]) for s in rows) - 0.05), None)
         ax.set_title(f"{key[0]}: max_len {key[1]}, cap {key[2]}", fontsize=9)
         ax.set_ylabel("lockstep / best fixed CP (median)")
     axes[0][0].legend(fontsize=8)
