@@ -8,8 +8,11 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
    GPU-slots. When there are fewer short samples than unit bins, empty bins merge into wider
    ones (and into long samples' groups) until every group can get a sample — the verl seed's
    "fewer sequences than groups" case — so no CP group is ever empty.
-3. Short samples go by width-aware LPT (per-GPU load Σ cost / width, capacity width·cap) into
-   all bins, long groups included; a failure grows K by ``align``.
+3. Short samples go by width-aware LPT (per-GPU load: the CP price of ``cost/cp.py``, Σ cost /
+   width without a CP term; capacity width·cap) into all bins, long groups included; a failure
+   grows K by ``align``. Step 1's widening (``_balanced_degrees``) doubles a costly sample only
+   where the price says that lowers its per-GPU time. With a CP term the layout is also made with
+   every sample at its token need and short samples kept out of long groups (``need_only``).
 4. Slots: wide groups first-fit-decreasing by width into K slots (widths divide dp, so this
    always tiles), then unit bins fill each slot's free GPUs, heaviest unit bins beside the
    heaviest groups. Groups occupy contiguous, width-aligned rank ranges.
@@ -17,14 +20,17 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
    max_size, the fixed-CP plan of dp_size / w groups (fit.py + assign.py) is one point of the
    same search space; when it needs no placeholder and is predicted strictly faster under
    ``sync``, it replaces the mixed layout (a tie keeps the narrower mixed groups).
+6. With a CP term, ``_unsplit`` runs a group whose samples all fit one GPU as unit micro-batches on
+   its GPUs wherever the slowest of those is predicted faster than the split.
+Every candidate is priced by ``cost.cp.cp_micro_costs``, the function ``Plan.stats`` uses.
 Guarantees: every rank has K micro-batches, every CP group non-empty (or an explicit
 placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact with W = dp_size,
 and the predicted step time is never above that of any fixed CP degree ≤ max_size that fits the
-step without placeholders. Trade-off (benchmarks/bench_cp.py, long-context family): the cost
-model scales attention and linear work perfectly with the CP degree, so the widest uniform
-layout usually wins (pooling GPUs packs best); the mixed layout matters when the step has too
-few samples for wide uniform groups, and the search costs ~2-3× the planning time of one
-fixed-CP plan.
+step without placeholders. Trade-off (benchmarks/bench_cp.py, long-context family): without a
+CP term a split scales perfectly and the widest uniform layout usually wins (pooling GPUs packs
+best); with one (K/V all-gather over InfiniBand, efficiency 0.85) the need-only and mixed layouts
+win and the plan is 24-31 % faster than the unpriced one, for ~1-1.5x the planning time of the
+unpriced search (~2-3x one fixed-CP plan).
 """
 
 from __future__ import annotations
