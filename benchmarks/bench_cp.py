@@ -1,21 +1,32 @@
-"""Context parallel on the long-context family: dynamic CP vs fixed CP vs no CP, one step per case.
+"""Context parallel on the long-context family, priced: dynamic CP vs fixed CP vs no CP, one step per case.
 
 Design note. A plane of G GPUs with a per-GPU token cap (activation memory) trains one step of
 the long-context family (benchmarks/bench_planners.make_step: whole prompts, ~8/16/32 samples per
-GPU cycled by seed). Samples reach ``max_len`` = 2× or 4× the cap, so without CP they do not fit:
+GPU cycled by seed). Samples reach ``max_len`` = 2× or 4× the cap, so without CP they do not fit.
 
-- no CP at the cap: refused (PlanError naming the sample), shown as such;
-- no CP with the cap raised to ``max_len`` (2–4× the activation memory per GPU): a reference;
-- fixed CP c (``ContextParallel(size=c)``, G / c DP groups) for c = the degree the longest sample
-  needs and twice that;
-- dynamic CP (``ContextParallel(max_size=c)``, every GPU of the plane one pool) for the same c.
+The cost is the ~7B dense model of benchmarks/metrics.py plus a CP term (``microplan.CPCost``)
+derived from the same model's config (Llama-2-7B shape: 32 layers × 32 kv heads × 128, bf16,
+forward all-gather + backward reduce-scatter of K/V: 1 MiB per token) and an interconnect, in two
+scenarios, each with a hidden truth the planner is NOT given (its CP term differs):
 
-Score: predicted lockstep time (Σ_m max_r per-GPU cost, the plan's own stats under the ~7B dense
-cost model of benchmarks/metrics.py, in which attention and linear work both divide by the CP
-degree) over one common lower bound per case, LB = max(Σ cost / G + K_lb · per_micro,
-max sample cost / c_big + per_micro), K_lb = ⌈tokens / (G · cap)⌉, c_big = the largest CP degree
-tried; and the ratio to fixed CP of the same degree, side by side in one run. "mixed": share of
-steps where the dynamic plan runs CP groups of different widths in one micro slot.
+- ``nvlink``: planner 300 GB/s, overlap 0, efficiency 0.95; truth 150 GB/s, overlap 0.5,
+  efficiency 0.9, split overhead 0.5 × per_micro;
+- ``ib``: planner 40 GB/s, overlap 0, efficiency 0.85; truth 25 GB/s, overlap 0.25, efficiency
+  0.8, split overhead 1 × per_micro.
+
+Plans per case (all planned with the scenario's priced cost unless named otherwise):
+- no CP at the cap: refused (PlanError naming the sample); no CP with the cap raised to
+  ``max_len`` (2–4× the activation memory per GPU): a reference only, it breaks the memory budget;
+- fixed CP c (``ContextParallel(size=c)``) for c = the degree the longest sample needs and twice that;
+- dynamic CP (``ContextParallel(max_size=c)``) for the same c; and dynamic CP ≤ 2·need planned
+  WITHOUT the CP term (perfect scaling: microplan before the CP term), scored with it.
+
+Scores: ``pred`` = predicted lockstep time under the planner's priced cost, over the best fixed-CP
+plan of the case (target: dynamic <= 1, i.e. never slower than the best fixed CP, and no CP-free
+plan fits the cap); ``truth`` = the same plans' lockstep time under the hidden truth, over the best
+fixed-CP plan under that truth; ``split`` = share of the samples that fit one GPU which the plan
+runs split over a CP group (fixed CP splits all of them; dynamic CP splits one only where its
+layout is predicted faster: the layout that splits none is always one of its candidates).
 
 Run: ``python -m benchmarks.bench_cp [--quick]``. Prints the table and writes
 ``benchmarks/results/cp-<date>-<host>.{json,png}``.
@@ -28,6 +39,7 @@ import datetime
 import socket
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +48,9 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import microplan as mp  # noqa: E402
+from microplan.cost.cp import DEFAULT_GPU_FLOPS  # noqa: E402
+from microplan.stages.assign import grid_time  # noqa: E402
+from microplan.stats import step_cost_grid  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
 from benchmarks.bench_planners import make_step  # noqa: E402
@@ -43,9 +58,27 @@ from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
 SETTINGS = ((32768, 16384), (131072, 32768))  # (max_len, per-GPU cap): the longest sample needs CP 2 / 4
 SPG = (8, 16, 32)
+#: The benchmark model's shape (benchmarks/metrics.py: ~7B dense, Llama-2-7B: multi-head attention).
+LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000}
 
 
-def configs(G: int, cap: int, max_len: int, cost) -> dict[str, mp.PlanConfig | None]:
+def _cp(bandwidth: float, **kw) -> mp.CPCost:
+    return mp.CPCost.from_hf_config(LLAMA2_7B, bandwidth=bandwidth, units_per_second=DEFAULT_GPU_FLOPS, **kw)
+
+
+def scenarios(base: mp.FlopsCost) -> dict[str, tuple[mp.FlopsCost, mp.FlopsCost]]:
+    """name -> (the planner's priced cost, the hidden truth)."""
+    pm = base.per_micro
+    return {
+        "nvlink": (replace(base, cp=_cp(3e11, overlap=0.0, efficiency=0.95)),
+                   replace(base, cp=_cp(1.5e11, overlap=0.5, efficiency=0.9, split_overhead=0.5 * pm))),
+        "ib": (replace(base, cp=_cp(4e10, overlap=0.0, efficiency=0.85)),
+               replace(base, cp=_cp(2.5e10, overlap=0.25, efficiency=0.8, split_overhead=pm))),
+    }
+
+
+def configs(G: int, cap: int, max_len: int, cost, base) -> dict[str, mp.PlanConfig | None]:
     need = 1 << int(np.ceil(np.log2(max_len / cap)))
     out: dict[str, mp.PlanConfig | None] = {
         "no CP, cap": mp.PlanConfig(dp_size=G, max_tokens_per_micro=cap, cost=cost),
@@ -56,26 +89,32 @@ def configs(G: int, cap: int, max_len: int, cost) -> dict[str, mp.PlanConfig | N
                                              context_parallel=mp.ContextParallel(size=c))
         out[f"dynamic CP <={c}"] = mp.PlanConfig(dp_size=G, max_tokens_per_micro=cap, cost=cost,
                                                  context_parallel=mp.ContextParallel(max_size=c))
+    out[f"dyn <={2 * need} no CP term"] = mp.PlanConfig(dp_size=G, max_tokens_per_micro=cap, cost=base,
+                                                          context_parallel=mp.ContextParallel(max_size=2 * need))
     return out
 
 
-def _mixed(plan: mp.Plan) -> float:
-    return float(np.mean([any(len({row[m].cp_size for row in s.micros}) > 1 for m in range(s.micro_count))
-                          for s in plan.steps]))
+def time_under(plan: mp.Plan, cost) -> float:
+    """The plan's lockstep time under ``cost`` (the plan's own pricing, stats.step_cost_grid)."""
+    cfg = replace(plan.config, cost=cost)
+    return float(sum(grid_time(step_cost_grid(plan.batch, cfg, s), "micro") for s in plan.steps))
 
 
-def run_case(max_len: int, cap: int, G: int, seed: int, cost) -> list[dict]:
+def split_share(plan: mp.Plan, cap: int) -> float:
+    """Share of the samples that fit one GPU (<= cap tokens) that run split over a CP group."""
+    fits = plan.batch.seq_lens <= cap
+    split = sum(int(fits[m.indices].sum()) for s in plan.steps for row in s.micros for m in row
+                if m.cp_rank == 0 and m.cp_size > 1)
+    return split / max(int(fits.sum()), 1)
+
+
+def run_case(max_len: int, cap: int, G: int, seed: int, scenario: str, cost, truth, base) -> list[dict]:
     batch = make_step("long-context", G, SPG[seed % len(SPG)], seed, max_len=max_len)
-    c = cost.sample_costs(batch.seq_lens)
     tokens = int(np.sum(batch.seq_lens))
-    cfgs = configs(G, cap, max_len, cost)
-    c_big = max(cfg.context_parallel.size or cfg.context_parallel.max_size
-                for cfg in cfgs.values() if cfg.context_parallel is not None)
-    lb = max(c.sum() / G + -(-tokens // (G * cap)) * cost.per_micro, c.max() / c_big + cost.per_micro)
     rows = []
-    for name, cfg in cfgs.items():
-        row = dict(max_len=max_len, cap=cap, G=G, seed=seed, samples=batch.num_samples, tokens=tokens,
-                   config=name, error=None)
+    for name, cfg in configs(G, cap, max_len, cost, base).items():
+        row = dict(scenario=scenario, max_len=max_len, cap=cap, G=G, seed=seed, samples=batch.num_samples,
+                   tokens=tokens, config=name, error=None)
         t = time.perf_counter()
         try:
             plan = mp.plan(batch, cfg)
@@ -84,35 +123,41 @@ def run_case(max_len: int, cap: int, G: int, seed: int, cost) -> list[dict]:
             continue
         ms = (time.perf_counter() - t) * 1e3
         plan.validate()
-        s = plan.stats
-        rows.append({**row, "ms": ms, "K": s.micro_count, "lockstep_ratio": s.lockstep_time / lb,
-                     "max_gpu_tokens": s.max_micro_tokens, "placeholders": s.num_placeholders,
-                     "mixed": _mixed(plan) if cfg.context_parallel and cfg.context_parallel.dynamic else 0.0,
-                     "lockstep": s.lockstep_time})
-    by = {r["config"]: r for r in rows}
+        rows.append({**row, "ms": ms, "K": plan.stats.micro_count, "pred": time_under(plan, cost),
+                     "truth": time_under(plan, truth), "split": split_share(plan, cap),
+                     "mixed": _mixed(plan) if cfg.context_parallel and cfg.context_parallel.dynamic else 0.0})
+    fixed = [r for r in rows if r["config"].startswith("fixed") and r["error"] is None]
+    best_p, best_t = min(r["pred"] for r in fixed), min(r["truth"] for r in fixed)
     for r in rows:
-        ref = by.get(r["config"].replace("dynamic CP <=", "fixed CP "))
-        if r["config"].startswith("dynamic") and r["error"] is None and ref and ref["error"] is None:
-            r["vs_fixed"] = r["lockstep"] / ref["lockstep"]
+        if r["error"] is None:
+            r["pred_vs_fixed"], r["truth_vs_fixed"] = r["pred"] / best_p, r["truth"] / best_t
+            same = next((f for f in fixed if f["config"] == r["config"].replace("dynamic CP <=", "fixed CP ")), None)
+            if same is not None and r["config"].startswith("dynamic"):
+                r["pred_vs_same_fixed"] = r["pred"] / same["pred"]
     return rows
+
+
+def _mixed(plan: mp.Plan) -> float:
+    return float(np.mean([any(len({row[m].cp_size for row in s.micros}) > 1 for m in range(s.micro_count))
+                          for s in plan.steps]))
 
 
 def summarise(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["max_len"], r["cap"], r["config"]), []).append(r)
+        groups.setdefault((r["scenario"], r["max_len"], r["cap"], r["config"]), []).append(r)
     out = []
-    for (max_len, cap, name), rs in groups.items():
+    for (scenario, max_len, cap, name), rs in groups.items():
         ok = [r for r in rs if r["error"] is None]
 
         def mw(k, rs=ok):
             v = [r[k] for r in rs if k in r]
             return (float(np.median(v)), float(np.max(v))) if v else None
-        out.append(dict(max_len=max_len, cap=cap, config=name, cases=len(rs), refused=len(rs) - len(ok),
-                        lockstep_ratio=mw("lockstep_ratio"), vs_fixed=mw("vs_fixed"), ms=mw("ms"),
-                        max_gpu_tokens=max((r["max_gpu_tokens"] for r in ok), default=None),
-                        mixed=float(np.mean([r["mixed"] for r in ok])) if ok else None,
-                        placeholders=max((r["placeholders"] for r in ok), default=None)))
+        out.append(dict(scenario=scenario, max_len=max_len, cap=cap, config=name, cases=len(rs),
+                        refused=len(rs) - len(ok), pred_vs_fixed=mw("pred_vs_fixed"),
+                        truth_vs_fixed=mw("truth_vs_fixed"), pred_vs_same_fixed=mw("pred_vs_same_fixed"),
+                        split=mw("split"), ms=mw("ms"),
+                        mixed=float(np.mean([r["mixed"] for r in ok])) if ok else None))
     return out
 
 
@@ -121,19 +166,19 @@ def format_table(summary: list[dict]) -> str:
         return "-" if x is None else f"{x[0]:{f}}/{x[1]:{f}}"
 
     def pct(x):
-        return "-" if x is None else f"{100 * x:.0f}%"
-    head = (f"{'max_len/cap':>13}  {'config':<20} {'refused':>7}  {'lockstep/LB':>15}  {'vs fixed CP':>15}  "
-            f"{'GPU tok max':>11}  {'mixed':>5}  {'plan ms':>13}")
+        return "-" if x is None else f"{100 * x[0]:.0f}%/{100 * x[1]:.0f}%"
+    head = (f"{'scenario':<8} {'max_len/cap':>12}  {'config':<22} {'refused':>7}  {'pred/best fixed':>15}  "
+            f"{'truth/best fixed':>16}  {'split fits-1':>12}  {'plan ms':>11}")
     lines = [head, "-" * len(head)]
     last = None
     for s in summary:
-        key = f"{s['max_len']}/{s['cap']}"
+        key = (s["scenario"], f"{s['max_len']}/{s['cap']}")
         if last is not None and key != last:
             lines.append("")
         last = key
-        lines.append(f"{key:>13}  {s['config']:<20} {s['refused']:>3}/{s['cases']:<3}  {mw(s['lockstep_ratio'], '.4f'):>15}  "
-                     f"{mw(s['vs_fixed'], '.4f'):>15}  {s['max_gpu_tokens'] if s['max_gpu_tokens'] is not None else '-':>11}  "
-                     f"{pct(s['mixed']):>5}  {mw(s['ms'], '.1f'):>13}")
+        lines.append(f"{key[0]:<8} {key[1]:>12}  {s['config']:<22} {s['refused']:>3}/{s['cases']:<3}  "
+                     f"{mw(s['pred_vs_fixed'], '.4f'):>15}  {mw(s['truth_vs_fixed'], '.4f'):>16}  "
+                     f"{pct(s['split']):>12}  {mw(s['ms'], '.0f'):>11}")
     return "\n".join(lines)
 
 
@@ -142,20 +187,21 @@ def plot(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = list(dict.fromkeys((s["max_len"], s["cap"]) for s in summary))
-    fig, axes = plt.subplots(1, len(keys), figsize=(6 * len(keys), 4), squeeze=False)
+    keys = list(dict.fromkeys((s["scenario"], s["max_len"], s["cap"]) for s in summary))
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4), squeeze=False)
     for ax, key in zip(axes[0], keys):
-        rows = [s for s in summary if (s["max_len"], s["cap"]) == key and s["lockstep_ratio"] is not None]
+        rows = [s for s in summary if (s["scenario"], s["max_len"], s["cap"]) == key and s["pred_vs_fixed"] is not None]
         x = np.arange(len(rows))
-        ax.bar(x, [s["lockstep_ratio"][0] for s in rows], color=["#888" if "no CP" in s["config"] else
-                                                                  "#4a7" if "dynamic" in s["config"] else "#47a"
-                                                                  for s in rows])
-        ax.scatter(x, [s["lockstep_ratio"][1] for s in rows], marker="_", color="k", s=80)
+        colors = ["#888" if "no CP" in s["config"] and "term" not in s["config"] else
+                  "#c84" if "term" in s["config"] else "#4a7" if "dynamic" in s["config"] else "#47a" for s in rows]
+        ax.bar(x - 0.2, [s["pred_vs_fixed"][0] for s in rows], width=0.4, color=colors, label="predicted")
+        ax.bar(x + 0.2, [s["truth_vs_fixed"][0] for s in rows], width=0.4, color=colors, alpha=0.5, label="hidden truth")
         ax.set_xticks(x, [s["config"] for s in rows], rotation=30, ha="right", fontsize=8)
         ax.axhline(1.0, color="grey", lw=0.8)
-        ax.set_ylim(0.95, None)
-        ax.set_title(f"max_len {key[0]}, cap {key[1]} tokens/GPU")
-        ax.set_ylabel("lockstep / LB (bar median, tick worst)")
+        ax.set_ylim(min(0.8, min(min(s["pred_vs_fixed"][0], s["truth_vs_fixed"][0]) for s in rows) - 0.05), None)
+        ax.set_title(f"{key[0]}: max_len {key[1]}, cap {key[2]}", fontsize=9)
+        ax.set_ylabel("lockstep / best fixed CP (median)")
+    axes[0][0].legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -167,17 +213,24 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-write", action="store_true", help="print only")
     args = ap.parse_args(argv)
     Gs, seeds = ((8, 32), range(3)) if args.quick else ((8, 32, 128), range(6))
-    cost = dense_7b_cost()
-    rows = [r for ml, cap in SETTINGS for G in Gs for seed in seeds for r in run_case(ml, cap, G, seed, cost)]
+    base = dense_7b_cost()
+    scen = scenarios(base)
+    rows = [r for name, (cost, truth) in scen.items() for ml, cap in SETTINGS for G in Gs for seed in seeds
+            for r in run_case(ml, cap, G, seed, name, cost, truth, base)]
     summary = summarise(rows)
     print("long-context family, one step per case; cells: median/worst over planes of "
           f"{'/'.join(map(str, Gs))} GPUs x seeds {seeds.start}-{seeds.stop - 1}")
     print(format_table(summary))
+    dyn = [r for r in rows if r["config"].startswith("dynamic") and r["error"] is None]
+    worst = max(r["pred_vs_same_fixed"] for r in dyn)
+    print(f"\ndynamic CP (priced) / fixed CP of the same max degree, predicted: worst {worst:.4f} over {len(dyn)} plans "
+          f"(target <= 1); no CP-free plan fits the cap")
     refusal = next((r["error"] for r in rows if r["error"]), None)
     if refusal:
-        print(f"\nno CP at the cap is refused, e.g.: {refusal}")
+        print(f"no CP at the cap is refused, e.g.: {refusal}")
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                  cost=cost.to_dict(), settings=SETTINGS, planes=list(Gs), seeds=list(seeds), spg=SPG,
+                  scenarios={k: dict(planner=c.to_dict(), truth=t.to_dict()) for k, (c, t) in scen.items()},
+                  settings=SETTINGS, planes=list(Gs), seeds=list(seeds), spg=SPG,
                   microplan=mp.__version__, summary=summary, rows=rows)
     if not args.no_write:
         stem = save_json("cp", result)

@@ -14,7 +14,7 @@ The core depends on numpy only; ``microplan.torch`` adds packing, loss and colle
 
 from .batch import Batch
 from .config import LOSS_MODES, ContextParallel, Loss, PlanConfig, Steps
-from .cost import CalibrationResult, CostMeter, CostModel, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
+from .cost import CalibrationResult, CostMeter, CostModel, CPCost, FlopsCost, MeterReport, TokenCost, calibrate, calibration_row
 from .cost.vision import VisionCost
 from .footprint import LAYOUTS, Footprint
 from .errors import PlanError
@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Batch", "PlanConfig", "Steps", "Loss", "ContextParallel", "LOSS_MODES",
-    "TokenCost", "FlopsCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
+    "TokenCost", "FlopsCost", "CPCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
     "MeterReport", "VisionCost", "LAYOUTS", "Footprint", "find_shared_prefixes", "PrefixTree", "plan_forward",
     "logits_token_cap", "logits_bytes", "__version__",

@@ -3,7 +3,8 @@
 A micro-batch costs its cost model's ``micro_cost`` of the shape its layout gives it
 (``footprint.py``: padded sample lengths and the row pad, or n rows of the padded width; plus
 vision work), with the packed-row term in its total T, and ``per_micro``; over a CP group of c
-GPUs each GPU does 1/c of the token work: (micro_cost − per_micro) / c + per_micro. A
+GPUs each GPU pays the CP price of ``cost/cp.py`` (``cp_micro_costs``: (micro_cost − per_micro) / c +
+per_micro without a CP term; K/V communication, split efficiency and overhead with one). A
 placeholder runs one dummy token (so it never costs more than a real micro-batch).
 ``max_micro_tokens`` is the footprint per GPU: ⌈tokens held, padding included / cp_size⌉. The lower bound of a step is
 min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that is
@@ -27,6 +28,7 @@ import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
+from .cost.cp import cp_micro_costs, cp_work_floor
 from .cost.models import CostModel, bin_costs, row_costs
 from .footprint import Footprint, bin_footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
@@ -51,13 +53,13 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint |
     # the one footprint function the planner priced the bins with: prefix tries (padded segments,
     # row pad) with share_prefixes, the layout's rows otherwise
     forest = forest_of(batch) if config.share_prefixes else None
-    body = bin_footprint(fp, cost, idx, owner, len(flat), forest=forest)[1]
+    tokens, mc = bin_footprint(fp, cost, idx, owner, len(flat), forest=forest)
     empty = sizes == 0  # placeholders: one dummy token
     one = np.ones(1, dtype=np.float64)
-    body[empty] = bin_costs(cost, cost.sample_costs(one), one, 1)[0]
-    body = body - cost.per_micro
+    mc[empty] = bin_costs(cost, cost.sample_costs(one), one, 1)[0]
+    tokens = np.where(empty, 1, tokens)
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
-    return (body / width + cost.per_micro).reshape(D, K)
+    return cp_micro_costs(cost, mc, tokens, width).reshape(D, K)
 
 
 def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
@@ -113,9 +115,21 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
     costs, view = fp.sample_costs(cost, idx), cost
     if fp.padded:
         costs, view = _padded_sample_costs(cost, fp, idx), _AdditiveView(float(cost.per_micro))
+    elif cfg.context_parallel is not None and getattr(cost, "cp", None) is not None:
+        costs = cp_work_floor(cost, costs, lens, _least_width(cfg, lens))  # a priced split costs GPU-time
     return best_lower_bound(costs, lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=view,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+def _least_width(cfg: PlanConfig, lens: np.ndarray) -> np.ndarray | int:
+    """The narrowest CP group each sample may run in: the fixed degree, or (dynamic) the power of two
+    its tokens need under the cap."""
+    cp = cfg.context_parallel
+    if cp is None or not cp.dynamic:
+        return cfg.static_cp_size
+    need = np.maximum(-(-lens // int(cfg.max_tokens_per_micro)), 1)  # type: ignore[arg-type]
+    return np.left_shift(1, np.ceil(np.log2(need)).astype(np.int64))
 
 
 class _AdditiveView(NamedTuple):

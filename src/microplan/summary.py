@@ -230,6 +230,24 @@ def _time_lines(plan: Plan, unit: CostUnit) -> list[str]:
     return lines
 
 
+def _cp_text(plan: Plan) -> str:
+    """CP groups by width, the samples that fit one GPU but run split, and how a split is priced."""
+    from .footprint import footprint_of
+    cfg = plan.config
+    heads = [m for s in plan.steps for row in s.micros for m in row if m.cp_rank == 0]
+    widths: dict[int, int] = {}
+    for m in heads:
+        widths[m.cp_size] = widths.get(m.cp_size, 0) + 1
+    fits = footprint_of(plan.batch, cfg).sample_tokens <= cfg.max_tokens_per_micro  # type: ignore[operator]
+    split = sum(int(fits[m.indices].sum()) for m in heads if m.cp_size > 1)
+    groups = ", ".join(f"{n:,} of width {w}" for w, n in sorted(widths.items()))
+    cp = getattr(cfg.cost, "cp", None)
+    price = (f"split micro-batches priced with {cp.describe()}" if cp is not None else
+             "no CP term in the cost: a split micro-batch costs (cost − per_micro)/c + per_micro (perfect scaling)")
+    return (f"micro-batch groups: {groups}; {split:,} of {int(fits.sum()):,} samples that fit one GPU run split; "
+            f"{price}")
+
+
 def format_summary(plan: Plan) -> str:
     """The readable multi-line summary of a plan (what ``Plan.summary()`` returns and the CLI prints)."""
     st, cfg = plan.stats, plan.config
@@ -257,6 +275,8 @@ def format_summary(plan: Plan) -> str:
         lines.append(_row("shared prefixes", f"{st.tokens_with_sharing:,} tokens held for {st.tokens_without_sharing:,} "
                           f"sample tokens (lower bound {st.tokens_lower_bound:,})"))
     lines.append(_row("placeholders", f"{st.num_placeholders} empty micro-batch{'es' if st.num_placeholders != 1 else ''}"))
+    if cfg.context_parallel is not None and st.steps:
+        lines.append(_row("context parallel", _cp_text(plan)))
     pick = _choice_step(plan)
     if pick is not None:
         k_lb = st.steps[pick.index].micro_count_lower_bound

@@ -74,6 +74,7 @@ class CalibrationResult:
             ``"packed"`` (T² of the packed row), ``"linear"`` (no attention term worth fitting);
             None when not assessed.
         rows: the measured rows (profile_cost: every composition timed, held-out ones marked).
+        cp_note: profile_cost with ``cp_sizes``: how the CP term (``cost.cp``) was fitted; None otherwise.
     """
 
     cost: FlopsCost
@@ -86,6 +87,7 @@ class CalibrationResult:
     heldout_max_error: float | None = None
     regime: str | None = None
     rows: tuple[dict[str, Any], ...] = ()
+    cp_note: str | None = None
 
     def describe(self) -> str:
         """A short multi-line report: the model, R², held-out error, regime."""
@@ -96,6 +98,8 @@ class CalibrationResult:
                          f"worst {self.heldout_max_error:.1%}")
         if self.regime is not None:
             lines.append(f"attention regime: {self.regime}")
+        if self.cp_note is not None:
+            lines.append(self.cp_note)
         return "\n".join(lines)
 
 

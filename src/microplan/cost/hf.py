@@ -28,7 +28,7 @@ from typing import Any
 from .._checks import int_field
 from ..errors import PlanError
 
-__all__ = ["ForwardFlops", "forward_flops"]
+__all__ = ["ForwardFlops", "forward_flops", "kv_values_per_token"]
 
 # --------------------------------------------------------------------------------------------
 # Model FLOPs from a Hugging Face-style config
@@ -298,3 +298,18 @@ def forward_flops(config: Mapping[str, Any] | object, *, causal: bool = True,
                         mlp_params=mlp, router_params=router, lm_head_params=hidden * vocab,
                         attention_flops=layers * 2.0 * heads * (d_qk + d_v) * pairs,
                         gated_mlp=gated, causal=causal)
+
+
+def kv_values_per_token(config: Mapping[str, Any] | object) -> int:
+    """Key and value elements one token carries over all layers: what a CP group all-gathers.
+
+    GQA/MHA/MQA: ``2 · num_key_value_heads · head_dim · layers`` (head_dim defaults to
+    hidden/heads); DeepSeek MLA in its training-time form: ``heads · (d_qk + d_v) · layers``.
+    """
+    cfg = _Config(config)
+    hidden, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
+    layers = cfg.get_int("num_hidden_layers")
+    _, d_qk, d_v = _attention(cfg, hidden, heads)
+    if cfg.get_int("kv_lora_rank", default=0, minimum=0):
+        return layers * heads * (d_qk + d_v)
+    return layers * cfg.get_int("num_key_value_heads", default=heads) * (d_qk + d_v)

@@ -25,6 +25,13 @@ step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
 6. Identifiability. A term whose posterior variance is still more than half its prior's is
    named in ``MeterReport.prior_terms``: the records do not identify it, it stays at the prior.
 
+CP. A record of a micro-batch split over c > 1 GPUs (``cp_size``) is fitted separately: when the
+window also holds unsplit records, the base model is fitted on those alone and the CP term
+(:class:`CPCost`: K/V communication, overlap, split efficiency and overhead) on the split ones
+against it (``cost/cpfit.py``); with too few split records, or none unsplit (then the base fit
+takes the split records at 1/c of their token work, as before), the CP term is the prior's,
+rescaled to seconds, and :meth:`CostMeter.report` says so.
+
 Drift: every record is also scored against the model the meter last handed out (the one the
 planner used), so :meth:`CostMeter.report` shows predicted-vs-measured error over the recent
 window — a rising error means the machine changed (another job, thermal throttling, a new
@@ -47,6 +54,8 @@ import numpy as np
 from .._checks import float_field, int_field
 from ..errors import PlanError
 from .calibrate import nnls
+from .cp import CPCost, cp_micro_costs
+from .cpfit import fit_cp
 from .models import CostModel, FlopsCost, TokenCost, micro_features
 
 __all__ = ["CostMeter", "MeterReport"]
@@ -78,6 +87,8 @@ class MeterReport:
         prior_terms: the fit's terms the records do not identify — their posterior variance is
             still more than half the prior's (e.g. ``per_micro`` when every micro-batch holds about
             the same tokens, so it cannot be told from ``linear``) — left at the (rescaled) prior.
+        cp_note: how the CP term was obtained (fitted on how many split micro-batches, which of
+            its terms the records leave at the prior, or why it is the prior's); "" without one.
     """
 
     num_records: int
@@ -88,6 +99,7 @@ class MeterReport:
     fit_median_error: float | None
     scale: float | None
     prior_terms: tuple[str, ...] = ()
+    cp_note: str = ""
 
     def __str__(self) -> str:
         rec = "n/a" if self.recent_median_error is None else \
@@ -96,7 +108,8 @@ class MeterReport:
         held = (f"; from the prior (the records do not identify them): {', '.join(self.prior_terms)}"
                 if self.prior_terms else "")
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
-                f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}")
+                f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}"
+                + (f"; {self.cp_note}" if self.cp_note else ""))
 
 
 def _errors(pairs: list[tuple[float, float]], scale_free: bool) -> np.ndarray:
@@ -109,6 +122,16 @@ def _errors(pairs: list[tuple[float, float]], scale_free: bool) -> np.ndarray:
         k = float(np.median(ratio))
         ratio = ratio / k if k > 0 else ratio
     return np.abs(ratio - 1.0)
+
+
+def _predict(cost: FlopsCost, x: np.ndarray, c: int) -> float:
+    """A record's predicted seconds (``x``: its varlen and dense features at 1/c of the token work)."""
+    f = x[4:] if cost.dense else x[:4]
+    per = float(cost.coefficients() @ f)
+    if c == 1 or cost.cp is None:
+        return per
+    whole = (per - cost.per_micro) * c + cost.per_micro
+    return float(cp_micro_costs(cost, whole, f[0] * c, c))
 
 
 def _prior_coefficients(prior: CostModel | None) -> np.ndarray:
@@ -160,6 +183,8 @@ class CostMeter:
                             "packed_quadratic is > 0.")
         self._x: deque[np.ndarray] = deque(maxlen=self.window)
         self._y: deque[float] = deque(maxlen=self.window)
+        self._c: deque[int] = deque(maxlen=self.window)     # each record's CP degree
+        self._cp_note = ""
         self._recent: list[tuple[float, float]] = []       # (predicted, measured) since the last cost()
         self._last_recent: list[tuple[float, float]] = []  # ... of the interval before (kept for report())
         self._issued: FlopsCost | None = None
@@ -201,10 +226,10 @@ class CostMeter:
         x = micro_features(what) * per_gpu                                        # varlen features
         xd = micro_features(what, dense=True) * per_gpu                           # dense-kernel features
         if self._issued is not None:
-            pred = self._issued.coefficients() @ (xd if self._issued.dense else x)
-            self._recent.append((float(pred), s))
+            self._recent.append((_predict(self._issued, np.concatenate([x, xd]), c), s))
         self._x.append(np.concatenate([x, xd]))
         self._y.append(s)
+        self._c.append(c)
         self._fit = None
         self.num_records += 1
 
@@ -232,14 +257,14 @@ class CostMeter:
             _errors(self._last_recent, self._last_prior)
         fit_err = None
         if self._y and isinstance(fit, FlopsCost):
-            X, y = np.array(self._x), np.array(self._y)
-            X = X[:, 4:] if fit.dense else X[:, :4]
-            fit_err = float(np.median(np.abs(X @ fit.coefficients() / y - 1.0)))
+            pred = [_predict(fit, x, c) for x, c in zip(self._x, self._c)]
+            fit_err = float(np.median(np.abs(np.array(pred) / np.array(self._y) - 1.0)))
         return MeterReport(num_records=self.num_records, window_records=len(self._y), cost=fit,
                            recent_median_error=float(np.median(errs)) if errs.size else None,
                            recent_max_error=float(np.max(errs)) if errs.size else None,
                            fit_median_error=fit_err, scale=self._scale,
-                           prior_terms=self._prior_terms if self._y else ())
+                           prior_terms=self._prior_terms if self._y else (),
+                           cp_note=self._cp_note if self._y else "")
 
     def _current(self) -> CostModel:
         if not self._y:
@@ -250,6 +275,9 @@ class CostMeter:
 
     def _solve(self) -> FlopsCost:
         XX, y = np.array(self._x), np.array(self._y)
+        split = np.array(self._c) > 1
+        if split.any() and not split.all():  # the base from unsplit records, the CP term from the split ones
+            XX, y = XX[~split], y[~split]
         unit = float(np.median(y))  # solve in units of a typical record: seconds of any magnitude stay well scaled
         y = y / unit
         m = y.size
@@ -270,8 +298,35 @@ class CostMeter:
             theta, held = (mu_den if use_dense else mu_var), tuple(TERMS)
         self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
         theta = theta * unit
-        return FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
+        base = FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
                          per_micro=float(theta[3]))
+        return self._with_cp(base)
+
+    def _with_cp(self, base: FlopsCost) -> FlopsCost:
+        """``base`` with the CP term: fitted on the split records, or the prior's in seconds."""
+        pc = getattr(self.prior, "cp", None)
+        prior = None if pc is None else CPCost(comm_per_token=pc.comm_per_token * self._scale, overlap=pc.overlap,
+                                               efficiency=pc.efficiency, split_overhead=pc.split_overhead * self._scale)
+        c = np.array(self._c)
+        split = c > 1
+        if not split.any():
+            self._cp_note = "" if prior is None else "CP term from the prior (no split micro-batch timed)"
+            return FlopsCost(linear=base.linear, quadratic=base.quadratic, per_micro=base.per_micro,
+                             packed_quadratic=base.packed_quadratic, cp=prior)
+        X = np.array(self._x)[split]
+        X = X[:, 4:] if base.dense else X[:, :4]
+        whole = X * np.array([1.0, 1.0, 1.0, 0.0]) * c[split][:, None]   # undo the 1/c of the features
+        mc = whole @ base.coefficients() + base.per_micro
+        tokens = X[:, 0] * c[split]
+        if split.all():  # nothing unsplit: the base fit took the split records (at 1/c of their work)
+            self._cp_note = ("CP term from the prior: every timed micro-batch was split, so the split's cost cannot be "
+                             "told from the base cost (time some unsplit micro-batches)" if prior is not None else "")
+            cp = prior
+        else:
+            got = fit_cp(mc, tokens, c[split], np.array(self._y)[split], base.per_micro, prior)
+            cp, self._cp_note = got.cp, got.note
+        return FlopsCost(linear=base.linear, quadratic=base.quadratic, per_micro=base.per_micro,
+                         packed_quadratic=base.packed_quadratic, cp=cp)
 
     def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
                  prior_dense: bool) -> tuple[np.ndarray, tuple[str, ...], bool, float]:

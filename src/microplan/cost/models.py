@@ -46,6 +46,7 @@ import numpy as np
 
 from .._checks import float_field
 from ..errors import PlanError
+from .cp import DEFAULT_GPU_FLOPS, CPCost, cp_from_dict
 from .hf import forward_flops
 from .presets import DEFAULT_ATTENTION, DEFAULT_PER_MICRO_TOKENS, attention_kernel
 
@@ -162,13 +163,17 @@ class TokenCost:
 
     Attributes:
         per_micro: fixed cost charged per micro-batch, in tokens-equivalent (default 0).
+        cp: the context-parallel term (:class:`microplan.CPCost`, in tokens-equivalent), or None:
+            a split micro-batch scales perfectly (``microplan.cost.cp``).
     """
 
     per_micro: float = 0.0
+    cp: CPCost | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "per_micro", float_field("TokenCost.per_micro", self.per_micro, minimum=0.0))
         check_coefficient("TokenCost.per_micro", self.per_micro, 0)
+        object.__setattr__(self, "cp", cp_from_dict(self.cp))
 
     @property
     def linear(self) -> float:
@@ -200,7 +205,8 @@ class TokenCost:
         return np.array([1.0, 0.0, 0.0, self.per_micro])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "TokenCost", "per_micro": self.per_micro}
+        out: dict[str, Any] = {"type": "TokenCost", "per_micro": self.per_micro}
+        return out if self.cp is None else {**out, "cp": self.cp.to_dict()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -216,6 +222,10 @@ class FlopsCost:
             per-sample term), a lone sample ``linear·L + quadratic·L² + per_micro`` (no mask: the
             plain causal path). Default 0: a varlen kernel, ``quadratic·Σ L²`` for every
             micro-batch.
+        cp: the context-parallel term (:class:`microplan.CPCost`: K/V communication, its overlap,
+            a split micro-batch's efficiency and overhead, in the same units), or None: a
+            micro-batch split over c GPUs costs each ``(cost − per_micro)/c + per_micro``
+            (``microplan.cost.cp.cp_micro_costs``).
 
     All four are finite and >= 0 and at least one of the token terms is positive. Build one
     from a model's dimensions with :meth:`from_hf_config`, fit one to timings with
@@ -226,8 +236,10 @@ class FlopsCost:
     quadratic: float = 0.0
     per_micro: float = 0.0
     packed_quadratic: float = 0.0
+    cp: CPCost | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "cp", cp_from_dict(self.cp))
         for name, power in (("linear", 1), ("quadratic", 2), ("per_micro", 0), ("packed_quadratic", 2)):
             object.__setattr__(self, name, float_field(f"FlopsCost.{name}", getattr(self, name), minimum=0.0))
             check_coefficient(f"FlopsCost.{name}", getattr(self, name), power)
@@ -262,8 +274,9 @@ class FlopsCost:
         return np.array([self.linear, self.quadratic, self.packed_quadratic, self.per_micro])
 
     def to_dict(self) -> dict[str, Any]:
-        return {"type": "FlopsCost", "linear": self.linear, "quadratic": self.quadratic,
-                "per_micro": self.per_micro, "packed_quadratic": self.packed_quadratic}
+        out: dict[str, Any] = {"type": "FlopsCost", "linear": self.linear, "quadratic": self.quadratic,
+                               "per_micro": self.per_micro, "packed_quadratic": self.packed_quadratic}
+        return out if self.cp is None else {**out, "cp": self.cp.to_dict()}
 
     @property
     def crossover_len(self) -> float:
@@ -286,13 +299,15 @@ class FlopsCost:
         cross = self.crossover_len
         where = "never (no attention term)" if cross == float("inf") else f"L={cross:,.0f}"
         packed = f", packed_quadratic={self.packed_quadratic:.4g}/T²" if self.packed_quadratic else ""
+        cp = "" if self.cp is None else f"; {self.cp.describe()}"
         return (f"FlopsCost: linear={self.linear:.4g}/token, quadratic={self.quadratic:.4g}/token²{packed}, "
-                f"per_micro={self.per_micro:.4g}/micro; attention = linear at {where}")
+                f"per_micro={self.per_micro:.4g}/micro; attention = linear at {where}{cp}")
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | object, *, attention: str = DEFAULT_ATTENTION,
                        per_micro: float | None = None, backward_factor: float = 2.0, causal: bool = True,
-                       gated_mlp: bool | None = None) -> FlopsCost:
+                       gated_mlp: bool | None = None, cp_bandwidth: float | None = None,
+                       gpu_flops: float = DEFAULT_GPU_FLOPS) -> FlopsCost:
         """Predicted forward(+backward) cost of a micro-batch, in GEMM-FLOP-equivalents, from a config.
 
         Args:
@@ -316,6 +331,13 @@ class FlopsCost:
                 counts all L² (bidirectional).
             gated_mlp: force a gated (SwiGLU/GeGLU: 3 matrices) or plain (2 matrices) MLP;
                 None infers it from ``model_type``/``hidden_act``.
+            cp_bandwidth: bytes per second a GPU receives in the context-parallel all-gather of
+                keys/values (e.g. ~3e11 NVLink, ~4e10 InfiniBand). Given: the result carries a
+                :class:`microplan.CPCost` (``CPCost.from_hf_config``: K/V moved once per pass —
+                forward, plus backward unless ``backward_factor`` is 0 — default overlap and
+                efficiency); None (default): no CP term (perfect CP scaling).
+            gpu_flops: FLOP/s that turn the communication seconds into this model's FLOP units
+                (default ``DEFAULT_GPU_FLOPS`` = 400 TFLOP/s); only read with ``cp_bandwidth``.
 
         Returns:
             A plain :class:`FlopsCost` (serialises through ``to_dict``).
@@ -336,7 +358,9 @@ class FlopsCost:
             quad, packed = attn, 0.0
         pm = DEFAULT_PER_MICRO_TOKENS * linear if per_micro is None else \
             float_field("FlopsCost.from_hf_config(per_micro)", per_micro, minimum=0.0)
-        return cls(linear=linear, quadratic=quad, per_micro=pm, packed_quadratic=packed)
+        cp = None if cp_bandwidth is None else CPCost.from_hf_config(
+            config, bandwidth=cp_bandwidth, units_per_second=gpu_flops, passes=1.0 if bf == 0 else 2.0)
+        return cls(linear=linear, quadratic=quad, per_micro=pm, packed_quadratic=packed, cp=cp)
 
 
 def cost_from_dict(d: dict[str, Any]) -> TokenCost | FlopsCost:

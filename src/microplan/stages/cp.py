@@ -8,8 +8,11 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
    GPU-slots. When there are fewer short samples than unit bins, empty bins merge into wider
    ones (and into long samples' groups) until every group can get a sample — the verl seed's
    "fewer sequences than groups" case — so no CP group is ever empty.
-3. Short samples go by width-aware LPT (per-GPU load Σ cost / width, capacity width·cap) into
-   all bins, long groups included; a failure grows K by ``align``.
+3. Short samples go by width-aware LPT (per-GPU load: the CP price of ``cost/cp.py``, Σ cost /
+   width without a CP term; capacity width·cap) into all bins, long groups included; a failure
+   grows K by ``align``. Step 1's widening (``_balanced_degrees``) doubles a costly sample only
+   where the price says that lowers its per-GPU time. With a CP term the layout is also made with
+   every sample at its token need and short samples kept out of long groups (``need_only``).
 4. Slots: wide groups first-fit-decreasing by width into K slots (widths divide dp, so this
    always tiles), then unit bins fill each slot's free GPUs, heaviest unit bins beside the
    heaviest groups. Groups occupy contiguous, width-aligned rank ranges.
@@ -17,14 +20,17 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
    max_size, the fixed-CP plan of dp_size / w groups (fit.py + assign.py) is one point of the
    same search space; when it needs no placeholder and is predicted strictly faster under
    ``sync``, it replaces the mixed layout (a tie keeps the narrower mixed groups).
+6. With a CP term, ``_unsplit`` runs a group whose samples all fit one GPU as unit micro-batches on
+   its GPUs wherever the slowest of those is predicted faster than the split.
+Every candidate is priced by ``cost.cp.cp_micro_costs``, the function ``Plan.stats`` uses.
 Guarantees: every rank has K micro-batches, every CP group non-empty (or an explicit
 placeholder under short_step="pad"), each GPU ≤ cap tokens, loss scales exact with W = dp_size,
 and the predicted step time is never above that of any fixed CP degree ≤ max_size that fits the
-step without placeholders. Trade-off (benchmarks/bench_cp.py, long-context family): the cost
-model scales attention and linear work perfectly with the CP degree, so the widest uniform
-layout usually wins (pooling GPUs packs best); the mixed layout matters when the step has too
-few samples for wide uniform groups, and the search costs ~2-3× the planning time of one
-fixed-CP plan.
+step without placeholders. Trade-off (benchmarks/bench_cp.py, long-context family): without a
+CP term a split scales perfectly and the widest uniform layout usually wins (pooling GPUs packs
+best); with one (K/V all-gather over InfiniBand, efficiency 0.85) the need-only and mixed layouts
+win and the plan is 24-31 % faster than the unpriced one, for ~1-1.5x the planning time of the
+unpriced search (~2-3x one fixed-CP plan).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..config import ContextParallel, PlanConfig
+from ..cost.cp import cp_micro_costs
 from ..errors import PlanError
 from ..footprint import Footprint, footprint_of, micro_footprint
 from ..types import Micro, Step
@@ -44,7 +51,7 @@ from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
 from .layout import step_layout
 from .micros import binned_micros
-from .pack import lpt_pack_wide
+from .pack import lpt_pack, lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["plan_dynamic_cp_step", "cp_degrees"]
@@ -77,6 +84,28 @@ def _cdiv(x: int, d: int) -> int:
     return -(-x // d)
 
 
+def _per_gpu(cfg: PlanConfig, costs: np.ndarray, lens: np.ndarray, width: np.ndarray | int) -> np.ndarray:
+    """Per-GPU cost (per_micro excluded) of work ``costs`` of ``lens`` tokens over groups of ``width``:
+    the CP price (``cost/cp.py``); ``costs / width`` when the cost has no CP term."""
+    cost = cfg.cost
+    if getattr(cost, "cp", None) is None:
+        return costs / width
+    pm = float(cost.per_micro)  # type: ignore[union-attr]
+    return cp_micro_costs(cost, costs + pm, lens, width) - pm
+
+
+def _increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """Per bin: per-GPU load per unit of sample cost and per token a sample adds to a group of
+    ``width`` (the CP price's compute and exposed communication; None without a CP term)."""
+    cp = getattr(cfg.cost, "cp", None)
+    if cp is None:
+        return None
+    w = width.astype(np.float64)
+    split = w > 1
+    return (np.where(split, 1.0 / (w * cp.efficiency), 1.0),
+            np.where(split, (1.0 - cp.overlap) * cp.comm_per_token * (w - 1.0) / w, 0.0))
+
+
 class _Layout:
     """Bins (members, width) and the slot arrangement of one step."""
 
@@ -87,19 +116,21 @@ class _Layout:
 
 
 def _balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
-                      cmax: int) -> np.ndarray:
+                      cmax: int, cfg: PlanConfig) -> np.ndarray:
     """Widen samples whose per-GPU cost exceeds the mean load of a GPU slot, within budget.
 
     A sample costing more than τ = Σ cost / (dp·K) leaves its slot waiting however the other
-    groups are filled; doubling its CP degree halves its per-GPU time. Greedy: repeatedly
-    double the sample with the highest per-GPU cost above τ while the widened groups still
+    groups are filled; doubling its CP degree cuts its per-GPU time (halves it under perfect
+    scaling; the CP price of ``cost/cp.py`` otherwise). Greedy: repeatedly double the sample with
+    the highest per-GPU cost above τ while doubling lowers that cost and the widened groups still
     leave enough unit GPU-slots for the short samples' tokens. Never below the token need.
     """
     tau = float(costs.sum()) / gpu_slots
     out = deg.copy()
     short_tokens = int(lens[deg == 1].sum())
     budget = gpu_slots - _cdiv(short_tokens, cap) - int(deg[deg > 1].sum())
-    heap = [(-float(costs[i]) / out[i], int(i)) for i in np.flatnonzero(costs > tau)]
+    per = _per_gpu(cfg, costs, lens, out)
+    heap = [(-float(per[i]), int(i)) for i in np.flatnonzero(costs > tau)]
     heapq.heapify(heap)
     while heap:
         neg, i = heapq.heappop(heap)
@@ -107,12 +138,15 @@ def _balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_
         extra = d if d > 1 else 2  # a unit sample becomes a 2-wide group: it leaves the short pool
         if -neg <= tau or 2 * d > cmax or extra > budget:
             continue
+        wider = float(_per_gpu(cfg, costs[i:i + 1], lens[i:i + 1], 2 * d)[0])
+        if wider >= -neg:  # splitting wider is predicted no faster: keep the sample at d
+            continue
         budget -= extra
         if d == 1:
             budget += _cdiv(short_tokens, cap) - _cdiv(short_tokens - int(lens[i]), cap)
             short_tokens -= int(lens[i])
         out[i] = 2 * d
-        heapq.heappush(heap, (-float(costs[i]) / out[i], i))
+        heapq.heappush(heap, (-wider, i))
     return out
 
 
@@ -135,12 +169,15 @@ def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple
 
 
 def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int,
-         extra: tuple[np.ndarray, int] | None = None) -> _Layout | None | str:
+         extra: tuple[np.ndarray, int] | None = None, need_only: bool = False) -> _Layout | None | str:
     """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty.
-    ``extra``: (vision tokens, vision cap per micro-batch) every group keeps."""
+    ``extra``: (vision tokens, vision cap per micro-batch) every group keeps; ``need_only``: split
+    no sample beyond its token need (no widening, short samples stay out of the long samples'
+    groups; only groups merged so none is empty take them)."""
     D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
-    deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax)  # type: ignore[arg-type]
+    if not need_only:
+        deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
     short = np.flatnonzero(deg == 1)
     free = D * K - int(deg[long].sum())
@@ -153,8 +190,11 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
     nb = width.size
     load = np.zeros(nb)
     tokens = np.zeros(nb, dtype=np.int64)
-    load[: long.size] = costs[long] / width[: long.size]
+    load[: long.size] = _per_gpu(cfg, costs[long], lens[long], width[: long.size])
     tokens[: long.size] = lens[long]
+    inc = _increments(cfg, width)
+    if inc is not None:  # every split group pays its fixed overhead, the empty ones too
+        load[long.size:] += np.where(width[long.size:] > 1, cfg.cost.cp.split_overhead, 0.0)  # type: ignore[union-attr]
     bin_of = np.empty(lens.size, dtype=np.int64)
     bin_of[long] = np.arange(long.size)
     if short.size:
@@ -162,8 +202,11 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
         if extra is not None:  # long samples' vision tokens already sit in their groups
             ex, x0 = (extra[0][short], extra[1]), np.zeros(nb, dtype=np.int64)
             x0[: long.size] = extra[0][long]
+        room = group_room(width, cfg)
+        if need_only:  # the long samples' groups are full
+            room = np.where(np.arange(nb) < long.size, tokens, room)
         sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0,
-                           room=group_room(width, cfg))
+                           room=room, increments=inc)
         if sb is None:
             return None
         bin_of[short] = sb
@@ -212,12 +255,13 @@ def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
 
 
 def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
-                 allow_short: bool, extra: tuple[np.ndarray, int] | None = None) -> tuple[_Layout, int] | None:
+                 allow_short: bool, extra: tuple[np.ndarray, int] | None = None,
+                 need_only: bool = False) -> tuple[_Layout, int] | None:
     a, K = cfg.align, _min_slots(lens, deg, cfg)
     if extra is not None:  # the vision cap bounds K from below too
         K = max(K, int(min_micro_count(_cdiv(_cdiv(int(extra[0].sum()), extra[1]), cfg.dp_size), cfg)))
     while True:
-        got = _try(lens, costs, deg, cfg, K, extra)
+        got = _try(lens, costs, deg, cfg, K, extra, need_only)
         if isinstance(got, _Layout):
             return got, K
         if got == "short":
@@ -237,13 +281,15 @@ def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfi
     width = deg.copy()
     while True:  # widen the costliest groups while GPUs are left
         spare = D * K - int(width.sum())
-        per_gpu = np.where(2 * width <= np.minimum(cmax, width + spare), costs / width, -1.0)
+        now = _per_gpu(cfg, costs, lens, width)
+        per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare)) & (_per_gpu(cfg, costs, lens, 2 * width) < now),
+                           now, -1.0)
         if spare <= 0 or per_gpu.max() < 0:
             break
         width[int(np.argmax(per_gpu))] *= 2
     spare = D * K - int(width.sum())
     width = np.concatenate([width, np.ones(spare, dtype=np.int64)])  # unit placeholders
-    load = np.concatenate([costs / width[:n], np.zeros(spare)])
+    load = np.concatenate([_per_gpu(cfg, costs, lens, width[:n]), np.zeros(spare)])
     slots = _arrange(width, load, D, K)
     assert slots is not None  # widths are powers of two dividing D and sum to D·K
     return _Layout(np.arange(n, dtype=np.int64), width, load, slots, placeholders=spare)
@@ -275,20 +321,28 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     best = _mixed_grid(layout, K, kept, batch, coef, c[keep], cfg, fp)
+    if getattr(cfg.cost, "cp", None) is not None:  # priced CP: also split no sample beyond its need
+        alt = _layout_step(lens[keep], c[keep], deg[keep], cfg, allow_short=cfg.short_step == "pad", extra=None
+                           if extra is None else (extra[0][keep], extra[1]), need_only=True)
+        cand = None if alt is None else _mixed_grid(alt[0], alt[1], kept, batch, coef, c[keep], cfg, fp)
+        if cand is not None and cand.time < best.time * (1 - 1e-9):
+            best = cand
     for w in _uniform_widths(deg[keep], cfg):
         cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
             best = cand
+    best = _unsplit(best, cfg, fp)
     dropped = np.setdiff1d(samples, kept)
     why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
     return Step(s, best.grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
 
 
 class _Candidate(NamedTuple):
-    """One step layout: ``grid[r][m]`` and its predicted time under ``cfg.sync``."""
+    """One step layout: ``grid[r][m]``, its predicted time under ``cfg.sync`` and per-GPU costs."""
 
     grid: list[list[Micro]]
     time: float
+    cost: np.ndarray  # [D, K] per-GPU cost, per_micro included
 
 
 def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
@@ -302,12 +356,12 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
     D = cfg.dp_size
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     nb = layout.width.size
-    body = fp.bin_costs(cfg.cost, kept, layout.bin_of, nb)  # type: ignore[arg-type]
-    body -= cfg.cost.per_micro  # type: ignore[union-attr]
+    mc = fp.bin_costs(cfg.cost, kept, layout.bin_of, nb)  # type: ignore[arg-type]
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
-    body[empty] = cfg.cost.micro_cost([1]) - cfg.cost.per_micro  # type: ignore[union-attr]
-    bin_load = body / layout.width
-    rank_cost = np.full((D, K), cfg.cost.per_micro)  # type: ignore[union-attr]
+    mc[empty] = cfg.cost.micro_cost([1])  # type: ignore[union-attr]
+    tokens = np.where(empty, 1, fp.bin_tokens(kept, layout.bin_of, nb))
+    per_gpu = cp_micro_costs(cfg.cost, mc, tokens, layout.width)  # the one CP price (stats.py's too)
+    rank_cost = np.zeros((D, K))
     bins = binned_micros(kept, layout.bin_of, nb, scale, batch)
     mfp = micro_footprint(fp)
     grid: list[list[Micro | None]] = [[None] * K for _ in range(D)]
@@ -315,10 +369,10 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
         for b, start in slot:
             w = int(layout.width[b])
             group = tuple(range(start, start + w))
-            rank_cost[start:start + w, m] += bin_load[b]
+            rank_cost[start:start + w, m] = per_gpu[b]
             for q, r in enumerate(group):
                 grid[r][m] = Micro._trusted(*bins[b], w, q, group, footprint=mfp)
-    return _Candidate(grid, _step_time(rank_cost, cfg))  # type: ignore[arg-type]
+    return _Candidate(grid, _step_time(rank_cost, cfg), rank_cost)  # type: ignore[arg-type]
 
 
 def _uniform_widths(deg: np.ndarray, cfg: PlanConfig) -> list[int]:
@@ -349,17 +403,53 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     if fit.num_bins != groups * K:
         return None
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
-    micro_cost = fp.bin_costs(cfg.cost, kept, fit.bin_of, groups * K) - cfg.cost.per_micro  # type: ignore[arg-type,union-attr]
-    placed = arrange(micro_cost, groups, K)
+    mc = fp.bin_costs(cfg.cost, kept, fit.bin_of, groups * K)  # type: ignore[arg-type]
+    per_gpu = cp_micro_costs(cfg.cost, mc, fp.bin_tokens(kept, fit.bin_of, groups * K), w)
+    placed = arrange(per_gpu, groups, K)
     bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
     grid: list[list[Micro]] = []
     for g in range(groups):
         group = tuple(range(g * w, (g + 1) * w))
         grid.extend([Micro._trusted(*bins[b], w, q, group, footprint=micro_footprint(fp)) for b in placed[g]]
                     for q in range(w))
-    rank_cost = micro_cost[placed] / w + cfg.cost.per_micro  # type: ignore[union-attr]
-    return _Candidate(grid, _step_time(rank_cost, cfg))
+    rank_cost = per_gpu[placed]
+    return _Candidate(grid, _step_time(rank_cost, cfg), np.repeat(rank_cost, w, axis=0))
 
+
+
+def _unsplit(cand: _Candidate, cfg: PlanConfig, fp: Footprint) -> _Candidate:
+    """Run a CP group's micro-batch as one unsplit micro-batch per member GPU (same slot, same
+    GPUs, same K and loss scales) wherever its samples all fit one GPU and the CP price says the
+    slowest of those is faster than the split; only ever lowers a GPU's cost, so the step's
+    predicted time never rises. A priced cost only (perfect scaling never favours the unsplit run);
+    groups with vision caps or prefix trees are left as they are."""
+    if getattr(cfg.cost, "cp", None) is None or cfg.max_vision_tokens_per_micro is not None:
+        return cand
+    cap, mfp = int(group_room(1, cfg)), micro_footprint(fp)
+    grid, rank_cost = [row[:] for row in cand.grid], cand.cost.copy()
+    changed = False
+    for m in range(rank_cost.shape[1]):
+        for r in range(cfg.dp_size):
+            mi = grid[r][m]
+            w = mi.cp_size
+            if mi.cp_rank or w == 1 or mi.indices.size < w or mi.tree is not None:
+                continue
+            idx = mi.indices
+            b = lpt_pack(fp.sample_tokens[idx], fp.sample_costs(cfg.cost, idx), w, cap)  # type: ignore[arg-type]
+            if b is None or (fp.bin_tokens(idx, b, w) > cap).any():
+                continue
+            per = fp.bin_costs(cfg.cost, idx, b, w)  # type: ignore[arg-type]
+            if per.max() >= rank_cost[r, m] * (1 - 1e-12):
+                continue
+            for q, g in enumerate(mi.cp_group):
+                sel = np.flatnonzero(b == q)
+                parts = [a[sel] for a in (idx, mi.seq_lens, mi.loss_tokens, mi.loss_scale)]
+                for a in parts:
+                    a.setflags(write=False)
+                grid[g][m] = Micro._trusted(*parts, 1, 0, (g,), footprint=mfp)
+                rank_cost[g, m] = per[q]
+            changed = True
+    return _Candidate(grid, _step_time(rank_cost, cfg), rank_cost) if changed else cand
 
 
 def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> str:

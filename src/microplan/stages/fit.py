@@ -28,6 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import PlanConfig
+from ..cost.cp import cp_micro_costs
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..errors import PlanError
 from ..footprint import packing_cap
@@ -129,10 +130,10 @@ def _pipeline_time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: 
     cost, D = cfg.cost, cfg.dp_size
     assert cost is not None
     nb = D * K
-    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
-                   np.bincount(bin_of, minlength=nb))
+    tokens = np.bincount(bin_of, weights=lens, minlength=nb)
+    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), tokens, np.bincount(bin_of, minlength=nb))
     if cfg.static_cp_size > 1:
-        mc = (mc - cost.per_micro) / cfg.static_cp_size + cost.per_micro
+        mc = cp_micro_costs(cost, mc, tokens, cfg.static_cp_size)
     grid = mc[arrange(mc, D, K)]
     order = slot_order(grid, cfg, search=search)
     return step_pipeline_time(grid[:, order], cfg)
@@ -190,11 +191,11 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     nb = D * K
-    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
-                   np.bincount(bin_of, minlength=nb))
+    tokens = np.bincount(bin_of, weights=lens, minlength=nb)
+    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), tokens, np.bincount(bin_of, minlength=nb))
     width = cfg.static_cp_size
     if width > 1:
-        mc = (mc - cost.per_micro) / width + cost.per_micro
+        mc = cp_micro_costs(cost, mc, tokens, width)
     return refine_lockstep(bin_of, arrange(mc, D, K), lens, costs, cost, cap, extra=extra)
 
 

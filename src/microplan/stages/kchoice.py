@@ -40,6 +40,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from ..cost.cp import cp_micro_costs
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
 from .assign import arrange, grid_time
@@ -58,14 +59,14 @@ def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarr
 
     The dp·K − num_bins placeholders cost ``per_micro`` only; micro-batches are arranged into
     slots by :func:`arrange` exactly as the planner will arrange them. ``width``: the static CP
-    degree (each GPU of a group does 1/width of the token work).
+    degree (each GPU of a group pays :func:`~microplan.cost.cp.cp_micro_costs`).
     """
     nb = dp * K
     additive = np.bincount(bin_of, weights=costs, minlength=nb)
     tokens = np.bincount(bin_of, weights=lens, minlength=nb)
     mc = bin_costs(cost, additive, tokens, np.bincount(bin_of, minlength=nb))
     if width > 1:
-        mc = (mc - cost.per_micro) / width + cost.per_micro
+        mc = cp_micro_costs(cost, mc, tokens, width)
     grid = arrange(mc, dp, K)
     return grid_time(mc[grid], sync)
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..config import PlanConfig
+from ..cost.cp import cp_micro_costs
 from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
 from ..types import KChoice
@@ -132,7 +133,8 @@ def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, 
     out = np.full((len(bins), K), float(cost.per_micro))
     for r in ranks.busy.tolist():
         mc = bin_cost(ranks.pos[r], bins[r], K)
-        out[r] = mc if cfg.static_cp_size == 1 else (mc - cost.per_micro) / cfg.static_cp_size + cost.per_micro
+        out[r] = mc if cfg.static_cp_size == 1 else \
+            cp_micro_costs(cost, mc, np.bincount(bins[r], weights=ranks.lens[r], minlength=K), cfg.static_cp_size)
     return out
 
 

@@ -48,7 +48,8 @@ def lpt_pack(seq_lens: np.ndarray, costs: np.ndarray, num_bins: int, cap: int | 
 def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, cap: int | None, *,
                   load: np.ndarray | None = None, tokens: np.ndarray | None = None,
                   extra: Extra | None = None, extra_load: np.ndarray | None = None,
-                  room: np.ndarray | None = None) -> np.ndarray | None:
+                  room: np.ndarray | None = None,
+                  increments: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
@@ -56,8 +57,9 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     filled first, so every bin with zero starting tokens ends non-empty when there are at least
     as many samples as such bins. ``extra``: a second resource per sample with a per-bin cap
     (not scaled by width), ``extra_load`` its starting load per bin; ``room``: each bin's token
-    capacity when it is not width·cap (a row multiple). Returns the bin of each
-    sample, or None if one fits nowhere.
+    capacity when it is not width·cap (a row multiple); ``increments``: (per cost, per token), the
+    per-GPU load a sample adds to each bin (a priced CP group, ``stages/cp.py``) instead of
+    cost / width. Returns the bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
     order = np.argsort(-costs, kind="stable")
@@ -66,14 +68,16 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     room_t = None if cap is None else width * cap if room is None else room
     ex, ex_cap = extra if extra is not None else (None, 0)
     load_x = np.zeros(B, dtype=np.int64) if extra_load is None else extra_load.astype(np.int64)
-    inv_w = 1.0 / width
+    inv_w = 1.0 / width if increments is None else increments[0]
+    tok_w = None if increments is None else increments[1]
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
         srt = np.argsort(load_c, kind="stable")
         chunk = order[pos:pos + B]
         ls = load_c[srt[: chunk.size]]
-        ok_prefix = ls <= ls[0] + costs[chunk] * inv_w[srt[: chunk.size]]
+        ok_prefix = ls <= ls[0] + costs[chunk] * inv_w[srt[: chunk.size]] + \
+            (0.0 if tok_w is None else seq_lens[chunk] * tok_w[srt[: chunk.size]])
         c = chunk.size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
         chunk, bins = chunk[:c], srt[:c]
         fits = np.ones(c, dtype=bool) if room_t is None else load_t[bins] + seq_lens[chunk] <= room_t[bins]
@@ -81,7 +85,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             fits &= load_x[bins] + ex[chunk] <= ex_cap
         good, gbins = chunk[fits], bins[fits]
         bin_of[good] = gbins
-        load_c[gbins] += costs[good] * inv_w[gbins]
+        load_c[gbins] += costs[good] * inv_w[gbins] + (0.0 if tok_w is None else seq_lens[good] * tok_w[gbins])
         load_t[gbins] += seq_lens[good]
         if ex is not None:
             load_x[gbins] += ex[good]
@@ -93,7 +97,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
                 return None
             b = int(np.argmin(np.where(room, load_c, np.inf)))
             bin_of[s] = b
-            load_c[b] += costs[s] * inv_w[b]
+            load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
             load_t[b] += seq_lens[s]
             if ex is not None:
                 load_x[b] += ex[s]

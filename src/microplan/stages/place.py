@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..cost.cp import cp_micro_costs
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
@@ -99,7 +100,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
     dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
     cp = cfg.static_cp_size
-    per_gpu = costs if cp == 1 else (costs - cfg.cost.per_micro) / cp + cfg.cost.per_micro  # type: ignore[union-attr]
+    per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
     if ctx.local:  # each rank's own bins, heaviest first
         grid = np.argsort(-per_gpu.reshape(D, K), axis=1, kind="stable") + (np.arange(D) * K)[:, None]
     else:

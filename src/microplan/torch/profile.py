@@ -23,6 +23,12 @@ alike) cannot separate them; the profiler therefore times a *designed* set of co
    lone sample; ``"varlen"``: Σ L² everywhere), or ``"linear"`` when attention is under 3 % of a
    cap-full micro-batch's time.
 
+5. CP (``cp_sizes``). For each CP degree c, :func:`cp_compositions` (samples of c·C, c·C/2 and C,
+   packs at c·C and a short row) run through ``run_cp_micro(packed, c)`` in the same passes; the
+   CP term (:class:`microplan.CPCost`) is fitted on them against the base fit
+   (``cost/cpfit.py``: falls back to perfect scaling when they cannot identify it, named in
+   ``CalibrationResult.cp_note``).
+
 Guarantees: every fitted coefficient is >= 0; the result carries R², the held-out median/max
 relative error, the regime and every timed row (``rows``: lengths, per-pass seconds, median,
 held-out flag). Trade-off: each extra pass costs a full pass of time and buys robustness to
@@ -48,13 +54,16 @@ import torch
 
 from .._checks import int_field
 from ..cost.calibrate import CalibrationResult, calibrate, calibration_row
+from ..cost.cp import cp_micro_costs
+from ..cost.cpfit import fit_cp
 from ..cost.models import FEATURES, CostModel, micro_features
 from ..errors import PlanError
 from ..types import Micro
 from .packing import PackedMicro, pack_micro
 from .timing import time_call
 
-__all__ = ["MIN_CAP", "ProfileDesign", "profile_design", "profile_cost", "attention_regime", "check_identifiable"]
+__all__ = ["MIN_CAP", "ProfileDesign", "profile_design", "profile_cost", "attention_regime", "check_identifiable",
+           "cp_compositions"]
 
 #: Smallest cap the default design accepts.
 MIN_CAP = 64
@@ -176,6 +185,14 @@ def attention_regime(cost: CostModel, max_tokens_per_micro: int) -> str:
     return "varlen" if share >= _LINEAR_SHARE else "linear"
 
 
+def cp_compositions(max_tokens_per_micro: int, cp_size: int) -> list[tuple[int, ...]]:
+    """Micro-batches timed over a CP group of ``cp_size`` GPUs: single samples of c·C, c·C/2 and C
+    (communication grows with T, attention with L²), packs of 4 × c·C/4 and 8 × c·C/8 (same T,
+    less attention) and a short row of C/2 (the fixed split overhead)."""
+    C, c = int(max_tokens_per_micro), int(cp_size)
+    return [(c * C,), (c * C // 2,), (C,), (c * C // 4,) * 4, (c * C // 8,) * 8, (C // 2,)]
+
+
 def _pack(lens: Sequence[int], gen: torch.Generator, vocab: int, device: Any) -> PackedMicro:
     n = len(lens)
     toks = [torch.randint(0, vocab, (int(L),), generator=gen) for L in lens]
@@ -204,7 +221,8 @@ def profile_cost(run_micro: Callable[[PackedMicro], Any], *, max_tokens_per_micr
                  heldout: Sequence[Sequence[int]] | None = None, repeats: int = 3, warmup: int = 1,
                  time_budget_s: float | None = 120.0, seed: int = 0, vocab_size: int = 128,
                  device: torch.device | str | None = None, packed: bool | None = None,
-                 clock: Callable[[], float] | None = None) -> CalibrationResult:
+                 clock: Callable[[], float] | None = None, cp_sizes: Sequence[int] = (),
+                 run_cp_micro: Callable[[PackedMicro, int], Any] | None = None) -> CalibrationResult:
     """Time designed micro-batches with the user's model and fit the cost model (binding name and first two args).
 
     Args:
@@ -227,6 +245,12 @@ def profile_cost(run_micro: Callable[[PackedMicro], Any], *, max_tokens_per_micr
         packed: fit the packed-row T² term (True), leave it out (False: a backend known to be
             varlen), or let the timings decide (None, default).
         clock: replaces ``perf_counter`` (tests and simulations; forces the host-clock path).
+        cp_sizes: CP degrees (> 1) to time :func:`cp_compositions` at, through ``run_cp_micro``, and
+            fit the CP term on (``CalibrationResult.cost.cp``; ``cp_note`` says how).
+        run_cp_micro: ``run_cp_micro(packed, cp_size)`` runs one micro-batch split over a CP group
+            of ``cp_size`` GPUs: on each member, ``packed.cp_shard(rank_in_group)`` under
+            ``microplan.torch.context_parallel(group)`` (every rank of the group calls
+            ``profile_cost`` with the same arguments: the design and its order are seeded).
 
     Returns:
         :class:`microplan.CalibrationResult`: ``cost`` in seconds, ``r2``, ``heldout_median_error``
@@ -239,6 +263,10 @@ def profile_cost(run_micro: Callable[[PackedMicro], Any], *, max_tokens_per_micr
     """
     if not callable(run_micro):
         raise PlanError(f"profile_cost(run_micro={run_micro!r}) must be a function of one PackedMicro.")
+    widths = [int_field("profile_cost(cp_sizes)", c, minimum=2) for c in cp_sizes]
+    if widths and not callable(run_cp_micro):
+        raise PlanError(f"profile_cost(cp_sizes={list(cp_sizes)!r}) needs run_cp_micro(packed, cp_size), the function "
+                        "that runs one micro-batch over a CP group; pass it, or leave cp_sizes empty.")
     cap = int_field("max_tokens_per_micro", max_tokens_per_micro, minimum=1)
     reps = int_field("profile_cost(repeats)", repeats, minimum=1)
     warm = int_field("profile_cost(warmup)", warmup, minimum=0)
@@ -255,24 +283,46 @@ def profile_cost(run_micro: Callable[[PackedMicro], Any], *, max_tokens_per_micr
                        what="profile_design" if compositions is None else "profile_cost compositions")
 
     gen = torch.Generator().manual_seed(int(seed))
-    comps = fit_c + held_c
+    cp_c = [(comp, c) for c in widths for comp in cp_compositions(cap, c)]
+    comps = fit_c + held_c + [comp for comp, _ in cp_c]
+    width = [1] * (len(fit_c) + len(held_c)) + [c for _, c in cp_c]
     packs = [_pack(c, gen, vocab, device) for c in comps]
     wall = clock or time.perf_counter
     t_start = wall()
-    one = lambda p: time_call(lambda: run_micro(p), device=device, clock=clock)  # noqa: E731
+    def one(i: int) -> float:
+        fn = (lambda: run_micro(packs[i])) if width[i] == 1 else (lambda: run_cp_micro(packs[i], width[i]))  # type: ignore[misc]
+        return time_call(fn, device=device, clock=clock)
     for i in _warm_indices(fit_c) * warm:
-        one(packs[i])
+        one(i)
     rng = np.random.default_rng(seed)
     times: list[list[float]] = [[] for _ in comps]
     for _ in range(reps):
         t_pass = wall()
         for i in rng.permutation(len(comps)):
-            times[i].append(one(packs[int(i)]))
+            times[i].append(one(int(i)))
         now = wall()
         if time_budget_s is not None and (now - t_start) + (now - t_pass) > time_budget_s:
             break
     seconds = [statistics.median(t) for t in times]
-    return _result(fit_c, held_c, seconds, times, cap, packed)
+    n = len(fit_c) + len(held_c)
+    res = _result(fit_c, held_c, seconds[:n], times[:n], cap, packed)
+    return _with_cp(res, cp_c, seconds[n:], times[n:]) if cp_c else res
+
+
+def _with_cp(res: CalibrationResult, cp_c: list[tuple[tuple[int, ...], int]], seconds: list[float],
+             times: list[list[float]]) -> CalibrationResult:
+    """The base fit with the CP term fitted on the timed CP compositions (``cost/cpfit.py``)."""
+    base = res.cost
+    mc = np.array([base.micro_cost(list(c)) for c, _ in cp_c])
+    tokens = np.array([float(sum(c)) for c, _ in cp_c])
+    width = np.array([w for _, w in cp_c], dtype=np.int64)
+    got = fit_cp(mc, tokens, width, np.array(seconds), base.per_micro, None)
+    cost = dataclasses.replace(base, cp=got.cp)
+    rows = [{**calibration_row(list(c), s), "seq_lens": list(c), "times": list(t), "heldout": False, "cp_size": w}
+            for (c, w), s, t in zip(cp_c, seconds, times)]
+    errs = [abs(float(cp_micro_costs(cost, cost.micro_cost(list(c)), sum(c), w)) / s - 1.0) for (c, w), s in zip(cp_c, seconds)]
+    return dataclasses.replace(res, cost=cost, rows=res.rows + tuple(rows),
+                               cp_note=f"{got.note}; worst CP composition error {max(errs):.1%}")
 
 
 def _warm_indices(fit: list[tuple[int, ...]]) -> list[int]:
