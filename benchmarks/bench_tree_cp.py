@@ -2,11 +2,13 @@
 
 Design note. Two parts, side by side in one run.
 
-*Planning* (fixed ``ContextParallel(size=4)`` with ``share_prefixes=True`` plans; dynamic CP
-with sharing is not planned yet and prints ``planner: share_prefixes x CP not available``). A
+*Planning* (``share_prefixes=True`` with fixed ``ContextParallel(size=4)`` and dynamic
+``ContextParallel(max_size=4)``, under the ~7B cost alone and with bench_cp's InfiniBand CP
+price, which makes splitting cost K/V traffic, so dynamic widths differ). A
 step-wise family with 16k–64k-token histories (``stepwise-multiturn``, ``max_len`` 65,536,
 prompts 16k–32k) at dp × cp = 8 × 4, planned under the ~7B cost model with fixed
 ``ContextParallel(size=4)`` and dynamic ``ContextParallel(max_size=4)``. Reported per plan:
+the CP widths used,
 tokens without / with sharing, K, GPUs over the cap (each GPU's owned tokens under the
 ``cp_shard`` cut, :func:`microplan.cp_cut.cp_loads`, plus 2 halo rows per segment), and the per-GPU attention-cost balance
 inside every CP group (max / mean of Σ (position+1) over each member's tokens; worst group).
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 import time
 from pathlib import Path
 
@@ -46,6 +49,7 @@ from microplan.cp_cut import cp_loads  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
 from benchmarks._results import record  # noqa: E402
+from benchmarks.bench_cp import _cp  # noqa: E402
 from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
 VOCAB = 512
@@ -61,9 +65,12 @@ def plan_rows(seeds: range, cap: int) -> list[dict]:
     for seed in seeds:
         batch = generate("stepwise-multiturn", num_prompts=8, samples_per_prompt=4, max_len=MAX_LEN,
                          prompt_len=(16384, 32768), seed=seed)
-        for name, cp, dp in (("fixed cp 4", mp.ContextParallel(size=4), 8),
-                             ("dynamic cp <= 4", mp.ContextParallel(max_size=4), 32)):
-            cfg = dict(dp_size=dp, max_tokens_per_micro=cap, cost=dense_7b_cost(), context_parallel=cp)
+        priced = replace(dense_7b_cost(), cp=_cp(4e10, overlap=0.0, efficiency=0.85))  # bench_cp's InfiniBand
+        for name, cp, dp, cost in (("fixed cp 4", mp.ContextParallel(size=4), 8, dense_7b_cost()),
+                                   ("dynamic cp <= 4", mp.ContextParallel(max_size=4), 32, dense_7b_cost()),
+                                   ("fixed cp 4, IB", mp.ContextParallel(size=4), 8, priced),
+                                   ("dynamic <= 4, IB", mp.ContextParallel(max_size=4), 32, priced)):
+            cfg = dict(dp_size=dp, max_tokens_per_micro=cap, cost=cost, context_parallel=cp)
             t0 = time.perf_counter()
             try:
                 shared = mp.plan(batch, mp.PlanConfig(share_prefixes=True, **cfg))
@@ -100,9 +107,10 @@ def _plan_figures(plan: mp.Plan, cap: int) -> dict:
                 if m.cp_size > 1:
                     groups += 1
                     worst = max(worst, float(loads.attention.max() / loads.attention.mean()))
+    widths = sorted({m.cp_size for st in plan.steps for row in st.micros for m in row})
     return dict(tokens_unshared=int(plan.stats.tokens_without_sharing), tokens=int(plan.stats.tokens_with_sharing),
                 K=[s.micro_count for s in plan.steps], over_cap=over, fullest_gpu=fullest, cp_groups=groups,
-                attn_max_over_mean=worst, predicted=plan.stats.predicted_time)
+                widths=widths, attn_max_over_mean=worst, predicted=plan.stats.predicted_time)
 
 
 def cut_rows(seeds: range) -> list[dict]:
@@ -236,13 +244,13 @@ def main(argv: list[str] | None = None) -> dict:
     planning = plan_rows(range(1 if args.quick else 3), args.cap)
     if planning:
         print(f"\nplanning: stepwise-multiturn, histories 16k-64k, cap {args.cap}/GPU, 7B cost")
-        print(f"{'seed':>4}  {'cp':<16} {'unshared':>10} {'shared':>9} {'ratio':>6} {'K':>10} {'over':>5} "
-              f"{'fullest GPU':>11} {'attn max/mean':>13} {'pred. speed-up':>14} {'plan s':>7}")
+        print(f"{'seed':>4}  {'cp':<16} {'unshared':>10} {'shared':>9} {'ratio':>6} {'K':>10} {'widths':>9} "
+              f"{'over':>5} {'fullest GPU':>11} {'attn max/mean':>13} {'predicted':>10} {'vs unshared':>11} {'plan s':>7}")
         for r in planning:
             print(f"{r['seed']:>4}  {r['cp']:<16} {r['tokens_unshared']:>10,} {r['tokens']:>9,} "
-                  f"{r['tokens_unshared'] / r['tokens']:>6.2f} {str(r['K']):>10} {r['over_cap']:>5} "
+                  f"{r['tokens_unshared'] / r['tokens']:>6.2f} {str(r['K']):>10} {str(r['widths']):>9} {r['over_cap']:>5} "
                   f"{r['fullest_gpu']:>11,} {r['attn_max_over_mean']:>13.3f} "
-                  f"{r['unshared_predicted'] / r['predicted']:>14.2f} {r['plan_s']:>7.3f}")
+                  f"{r['predicted']:>10.4g} {r['unshared_predicted'] / r['predicted']:>10.2f}x {r['plan_s']:>7.3f}")
     cut = cut_rows(range(1 if args.quick else 3))
     print("\ncut (cp_shard's zigzag per segment) of the family's tree micro-batches, worst over micro-batches:")
     for r in cut:

@@ -22,7 +22,6 @@ from microplan.prefix import micro_tree
 TABLE = [
     (lambda o: o["share"] and o["layout"] != "varlen", "own padded row"),
     (lambda o: o["share"] and o["static"], "needs dynamic batching"),
-    (lambda o: o["share"] and o["cp"] == "dynamic", "ContextParallel(max_size=...)"),
     (lambda o: o["local"] and o["cp"] == "dynamic", "dynamic context parallel"),
     (lambda o: o["cp"] is not None and o["static"], "context_parallel needs dynamic batching"),
     (lambda o: o["vcap"] and o["static"], "max_vision_tokens_per_micro needs dynamic batching"),

@@ -101,11 +101,8 @@ def test_bad_forest_is_refused(kw, match):
 def test_unsupported_combinations_are_refused():
     with pytest.raises(mp.PlanError, match="micro_batch_size"):
         mp.PlanConfig(dp_size=2, micro_batch_size=2, share_prefixes=True)
-    with pytest.raises(mp.PlanError, match=r"ContextParallel\(max_size=...\) is not supported yet"):
-        mp.PlanConfig(dp_size=2, max_tokens_per_micro=100, share_prefixes=True,
-                      context_parallel=mp.ContextParallel(max_size=2))
-    mp.PlanConfig(dp_size=2, max_tokens_per_micro=100, share_prefixes=True,  # fixed CP composes
-                  context_parallel=mp.ContextParallel(size=2))
+    for cp in (mp.ContextParallel(size=2), mp.ContextParallel(max_size=2)):  # CP composes with sharing
+        mp.PlanConfig(dp_size=2, max_tokens_per_micro=100, share_prefixes=True, context_parallel=cp)
 
 
 # -- planning -------------------------------------------------------------------------------------

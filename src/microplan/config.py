@@ -346,10 +346,6 @@ class PlanConfig:
         if self.share_prefixes and self.max_tokens_per_micro is None:
             raise PlanError("PlanConfig.share_prefixes=True needs dynamic batching (a micro-batch holds a prefix tree "
                             "of unique tokens, not a sample count): set max_tokens_per_micro, not micro_batch_size.")
-        if self.share_prefixes and self.context_parallel is not None and self.context_parallel.dynamic:
-            raise PlanError("PlanConfig.share_prefixes=True with ContextParallel(max_size=...) is not supported yet: "
-                            "dynamic CP widths are chosen per sample, not per prefix tree. Use a fixed "
-                            "ContextParallel(size=...) with sharing, or plan without sharing.")
         if self.placement not in ("global", "local"):
             raise PlanError(f"PlanConfig.placement={self.placement!r} must be 'global' (the plan chooses each "
                             "sample's rank) or 'local' (samples stay on the rank that holds them: pass "

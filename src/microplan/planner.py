@@ -32,7 +32,7 @@ from .stats import step_cost_grid
 from .stages.build import build_step
 from .stages.context import PlanContext, plan_context
 from .stages.cp import plan_dynamic_cp_step
-from .stages.granularity import best_layout
+from .stages.granularity import best_dynamic_cp, best_layout
 from .stages.pipeline import order_step
 from .stages.steps import split_steps
 from .types import Step
@@ -70,7 +70,10 @@ def _plan_step(s: int, samples: np.ndarray, ctx: PlanContext) -> tuple[Step, np.
     """One step through the flow of the module note."""
     cfg = ctx.cfg
     if cfg.context_parallel is not None and cfg.context_parallel.dynamic:   # fit + arrange + cp with widths
-        step, dropped, _ = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg, ctx.fp)
+        if cfg.share_prefixes:                                          # tree atoms or samples, by time
+            step, dropped = best_dynamic_cp(s, samples, ctx)[:2]
+        else:
+            step, dropped = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg, ctx.fp)[:2]
     else:
         lay = best_layout(s, samples, ctx)          # atoms → footprint → placement → K → pack → arrange
         step, dropped = build_step(s, lay, ctx), lay.dropped_samples   # micro-batches, weigh

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..prefix import dfs_orders
+from ..batch import Batch
+from ..prefix import PrefixTree, dfs_orders
 from ..trie import micro_trees
 from ..types import Micro, Step
 from .context import PlanContext
@@ -20,7 +21,7 @@ from .micros import binned_micros
 from .place import Layout
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["build_step"]
+__all__ = ["build_step", "tree_parts"]
 
 
 def _empty_parts() -> tuple[np.ndarray, ...]:
@@ -50,22 +51,36 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
             micros.append([trusted(*parts[g], cp, 0, (r,), footprint=mfp) if parts[g][0].size else ph
                            for g in lay.grid[r].tolist()])
         return Step(s, micros, kept, choice=lay.choice)
-    nb = D * K
-    orders = dfs_orders(ctx.parent, ctx.shared, kept, sbin, nb)   # every bin's samples, depth-first
-    trees = micro_trees(ctx.parent, ctx.shared, b.seq_lens, kept, sbin, nb)
+    tparts = tree_parts(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale)
     micros = []
     empty = _empty_parts()
     for r in range(D):
         row, ph = [], None
         for g in lay.grid[r].tolist():
-            dfs = orders[g]
-            if not dfs.size:
+            if tparts[g] is None:
                 ph = ph or trusted(*empty, cp, 0, (r,), footprint=mfp)
                 row.append(ph)
                 continue
-            cols = [dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[np.searchsorted(kept, dfs)].astype(np.float64)]
-            for c in cols:
-                c.setflags(write=False)
-            row.append(trusted(*cols, cp, 0, (r,), trees[g], footprint=mfp))
+            cols, tree = tparts[g]  # type: ignore[misc]
+            row.append(trusted(*cols, cp, 0, (r,), tree, footprint=mfp))
         micros.append(row)
     return Step(s, micros, kept, choice=lay.choice)
+
+
+def tree_parts(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
+               scale: np.ndarray) -> list[tuple[tuple[np.ndarray, ...], PrefixTree] | None]:
+    """Per bin of tree rows: its Micro's four columns in depth-first order and its prefix trie
+    (None for an empty bin). ``kept`` ascending, ``sbin`` and ``scale`` aligned with it."""
+    orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
+    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb)
+    out: list[tuple[tuple[np.ndarray, ...], PrefixTree] | None] = []
+    for g in range(nb):
+        dfs = orders[g]
+        if not dfs.size:
+            out.append(None)
+            continue
+        cols = (dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[np.searchsorted(kept, dfs)].astype(np.float64))
+        for c in cols:
+            c.setflags(write=False)
+        out.append((cols, trees[g]))
+    return out

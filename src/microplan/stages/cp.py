@@ -45,36 +45,45 @@ from ..batch import Batch
 from ..config import ContextParallel, PlanConfig
 from ..cost.cp import cp_micro_costs
 from ..errors import PlanError
-from ..footprint import Footprint, footprint_of, micro_footprint
+from ..footprint import HALO_ROWS, Footprint, footprint_of, micro_footprint
 from ..types import Micro, Step
 from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
-from .layout import step_layout
-from .micros import binned_micros
+from .cp_units import Binner, CPUnits, sample_units
+from .layout import StepLayout, step_layout
 from .pack import lpt_pack, lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["plan_dynamic_cp_step", "cp_degrees"]
+__all__ = ["plan_dynamic_cp_step", "cp_degrees", "DynamicCPStep"]
 
 
 def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
     """Tokens a CP group of ``width`` GPUs may hold before its row is rounded up to the row
     multiple: ⌊width · cap / r⌋ · r (then the padded row is within width × cap)."""
     r = cfg.pad_row_to_multiple_of
-    return (np.asarray(width) * int(cfg.max_tokens_per_micro)) // r * r  # type: ignore[arg-type]
+    w = np.asarray(width)
+    pad_halo = np.where(w > 1, HALO_ROWS * w, 0) if cfg.share_prefixes and r > 1 else 0  # tree rows: the pad's halos
+    return (w * int(cfg.max_tokens_per_micro) - pad_halo) // r * r  # type: ignore[arg-type]
 
 
-def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, segs: np.ndarray | None = None) -> np.ndarray:
     """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
-    what each sample occupies, its padding included)."""
+    what each sample occupies, its padding included; ``segs``: tree rows' trie segments, each
+    costing a GPU of a split group 2 halo rows, the row pad one more segment when r > 1)."""
     cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
     r = cfg.pad_row_to_multiple_of
-    need = -(-(-(-lens // r) * r) // cap)  # type: ignore[operator]  # GPUs for the row rounded to r
+    row = -(-lens // r) * r
+    if segs is None:
+        need = -(-row // cap)  # type: ignore[operator]  # GPUs for the row rounded to r
+    else:  # ⌈row/d⌉ + 2·S ≤ cap ⟺ row ≤ d·(cap − 2·S) for d > 1 (footprint.gpu_tokens)
+        room = np.maximum(cap - HALO_ROWS * (segs + (r > 1)), 1)  # type: ignore[operator]
+        need = np.where(row <= cap, 1, np.maximum(-(-row // room), 2))
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
     deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
     if lens.size and deg.max() > cmax:
-        j = int(np.argmax(lens))
-        raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens: it needs {int(deg[j])} GPUs at "
+        j = int(np.argmax(deg))
+        halo = "" if segs is None else f" (a prefix-tree part with {int(segs[j])} trie segments: 2 halo rows each per GPU)"
+        raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens{halo}: it needs {int(deg[j])} GPUs at "
                         f"max_tokens_per_micro={cap}, more than ContextParallel.max_size={cmax}; raise max_size "
                         "(and dp_size), raise max_tokens_per_micro, or truncate the sample.")
     return deg
@@ -169,11 +178,13 @@ def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple
 
 
 def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int,
-         extra: tuple[np.ndarray, int] | None = None, need_only: bool = False) -> _Layout | None | str:
+         extra: tuple[np.ndarray, int] | None = None, need_only: bool = False,
+         segs: np.ndarray | None = None) -> _Layout | None | str:
     """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty.
     ``extra``: (vision tokens, vision cap per micro-batch) every group keeps; ``need_only``: split
     no sample beyond its token need (no widening, short samples stay out of the long samples'
-    groups; only groups merged so none is empty take them)."""
+    groups; only groups merged so none is empty take them); ``segs``: tree rows' trie segments
+    (halo room per segment in a split group, ``cp_units``)."""
     D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     if not need_only:
@@ -192,6 +203,9 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
     tokens = np.zeros(nb, dtype=np.int64)
     load[: long.size] = _per_gpu(cfg, costs[long], lens[long], width[: long.size])
     tokens[: long.size] = lens[long]
+    per_seg = np.where(width > 1, HALO_ROWS * width, 0)  # a split group's halo rows per segment
+    if segs is not None:
+        tokens[: long.size] += segs[long] * per_seg[: long.size]
     inc = _increments(cfg, width)
     if inc is not None:  # every split group pays its fixed overhead, the empty ones too
         load[long.size:] += np.where(width[long.size:] > 1, cfg.cost.cp.split_overhead, 0.0)  # type: ignore[union-attr]
@@ -206,7 +220,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, 
         if need_only:  # the long samples' groups are full
             room = np.where(np.arange(nb) < long.size, tokens, room)
         sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0,
-                           room=room, increments=inc)
+                           room=room, increments=inc, halo=None if segs is None else (segs[short], per_seg))
         if sb is None:
             return None
         bin_of[short] = sb
@@ -256,12 +270,12 @@ def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
 
 def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
                  allow_short: bool, extra: tuple[np.ndarray, int] | None = None,
-                 need_only: bool = False) -> tuple[_Layout, int] | None:
+                 need_only: bool = False, segs: np.ndarray | None = None) -> tuple[_Layout, int] | None:
     a, K = cfg.align, _min_slots(lens, deg, cfg)
     if extra is not None:  # the vision cap bounds K from below too
         K = max(K, int(min_micro_count(_cdiv(_cdiv(int(extra[0].sum()), extra[1]), cfg.dp_size), cfg)))
     while True:
-        got = _try(lens, costs, deg, cfg, K, extra, need_only)
+        got = _try(lens, costs, deg, cfg, K, extra, need_only, segs)
         if isinstance(got, _Layout):
             return got, K
         if got == "short":
@@ -296,45 +310,58 @@ def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfi
 
 
 def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.ndarray,
-                         cfg: PlanConfig, fp: Footprint | None = None) -> tuple[Step, np.ndarray, str]:
+                         cfg: PlanConfig, fp: Footprint | None = None, *, units: CPUnits | None = None,
+                         forest: tuple[np.ndarray, np.ndarray] | None = None) -> DynamicCPStep:
     """Fit, arrangement and CP groups of one step under dynamic context parallel.
 
     ``fp``: the plan's footprint (``footprint.py``): samples occupy their padded lengths
     (``pad_to_multiple_of``), rows round to ``pad_row_to_multiple_of`` within the group's cap, and
-    a vision cap holds per micro-batch (CP group). Default: plain varlen rows.
+    a vision cap holds per micro-batch (CP group). Default: plain varlen rows. ``units`` (with the
+    batch's prefix ``forest``): prefix-tree atoms to pack instead of samples (``cp_units``).
     """
     D = cfg.dp_size
     fp = footprint_of(batch, cfg) if fp is None else fp
-    lens = fp.sample_tokens[samples]
+    units = sample_units(samples, batch, costs, fp, cfg) if units is None else units
+    lens, c, segs = units.lens, units.costs, units.segs
     vcap = cfg.max_vision_tokens_per_micro
-    extra = (fp.vision_tokens[samples], vcap) if vcap is not None and fp.vision_tokens is not None else None
-    deg = cp_degrees(lens, samples, cfg)
-    c = costs[samples]
-    keep = np.arange(samples.size)
-    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad", extra=extra)
+    extra = (units.vision, vcap) if vcap is not None and units.vision is not None else None
+    deg = cp_degrees(lens, units.label, cfg, segs)
+    keep = np.arange(lens.size)
+    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad", extra=extra, segs=segs)
     if got is None and cfg.short_step == "drop":
-        got, keep = _drop(s, samples, batch, c, deg, cfg, lens, extra)
+        got, keep = _drop(units, c, deg, cfg, lens, extra)
     if got is None:
         raise PlanError(_short_message(s, samples.size, lens, deg, cfg))
     layout, K = got
-    kept = samples[keep]
+    binner = Binner(units, keep, samples, batch, fp, cfg, forest)
+    kept = binner.kept
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
-    best = _mixed_grid(layout, K, kept, batch, coef, c[keep], cfg, fp)
+    ks = None if segs is None else segs[keep]
+    best = _mixed_grid(layout, K, binner, coef, cfg, fp)
     if getattr(cfg.cost, "cp", None) is not None:  # priced CP: also split no sample beyond its need
         alt = _layout_step(lens[keep], c[keep], deg[keep], cfg, allow_short=cfg.short_step == "pad", extra=None
-                           if extra is None else (extra[0][keep], extra[1]), need_only=True)
-        cand = None if alt is None else _mixed_grid(alt[0], alt[1], kept, batch, coef, c[keep], cfg, fp)
+                           if extra is None else (extra[0][keep], extra[1]), need_only=True, segs=ks)
+        cand = None if alt is None else _mixed_grid(alt[0], alt[1], binner, coef, cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
             best = cand
     for w in _uniform_widths(deg[keep], cfg):
-        cand = _uniform_grid(w, kept, batch, coef, c[keep], cfg, fp)
+        cand = _uniform_grid(w, units, keep, binner, coef, cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
             best = cand
     best = _unsplit(best, cfg, fp)
     dropped = np.setdiff1d(samples, kept)
     why = f"short_step='drop': trailing rollout dropped so step {s} fills every CP group of the {D}-GPU plane"
-    return Step(s, best.grid, np.sort(kept)), dropped, why  # type: ignore[arg-type]
+    return DynamicCPStep(Step(s, best.grid, kept), dropped, why, best.time)  # type: ignore[arg-type]
+
+
+class DynamicCPStep(NamedTuple):
+    """A planned step, the samples dropped, why, and its predicted time under ``cfg.sync``."""
+
+    step: Step
+    dropped: np.ndarray
+    why: str
+    time: float
 
 
 class _Candidate(NamedTuple):
@@ -350,19 +377,19 @@ def _step_time(rank_cost: np.ndarray, cfg: PlanConfig) -> float:
     return grid_time(rank_cost, cfg.sync)
 
 
-def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
-                cfg: PlanConfig, fp: Footprint) -> _Candidate:
+def _mixed_grid(layout: _Layout, K: int, binner: Binner, coef: np.ndarray, cfg: PlanConfig,
+                fp: Footprint) -> _Candidate:
     """The mixed-width layout found by width-aware packing, as a grid of Micros."""
     D = cfg.dp_size
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
     nb = layout.width.size
-    mc = fp.bin_costs(cfg.cost, kept, layout.bin_of, nb)  # type: ignore[arg-type]
+    mc, tokens = binner.costs_tokens(layout.bin_of, nb)
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
     mc[empty] = cfg.cost.micro_cost([1])  # type: ignore[union-attr]
-    tokens = np.where(empty, 1, fp.bin_tokens(kept, layout.bin_of, nb))
+    tokens = np.where(empty, 1, tokens)
     per_gpu = cp_micro_costs(cfg.cost, mc, tokens, layout.width)  # the one CP price (stats.py's too)
     rank_cost = np.zeros((D, K))
-    bins = binned_micros(kept, layout.bin_of, nb, scale, batch)
+    bins = binner.parts(layout.bin_of, nb, scale)
     mfp = micro_footprint(fp)
     grid: list[list[Micro | None]] = [[None] * K for _ in range(D)]
     for m, slot in enumerate(layout.slots):
@@ -370,8 +397,9 @@ def _mixed_grid(layout: _Layout, K: int, kept: np.ndarray, batch: Batch, coef: n
             w = int(layout.width[b])
             group = tuple(range(start, start + w))
             rank_cost[start:start + w, m] = per_gpu[b]
+            cols, tree = bins[b]
             for q, r in enumerate(group):
-                grid[r][m] = Micro._trusted(*bins[b], w, q, group, footprint=mfp)
+                grid[r][m] = Micro._trusted(*cols, w, q, group, tree, footprint=mfp)  # type: ignore[arg-type]
     return _Candidate(grid, _step_time(rank_cost, cfg), rank_cost)  # type: ignore[arg-type]
 
 
@@ -385,7 +413,7 @@ def _uniform_widths(deg: np.ndarray, cfg: PlanConfig) -> list[int]:
     return out
 
 
-def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: np.ndarray,
+def _uniform_grid(w: int, units: CPUnits, keep: np.ndarray, binner: Binner, coef: np.ndarray,
                   cfg: PlanConfig, fp: Footprint) -> _Candidate | None:
     """Every group w wide: the fixed-CP plan of D / w groups, when it needs no placeholder.
 
@@ -394,27 +422,34 @@ def _uniform_grid(w: int, kept: np.ndarray, batch: Batch, coef: np.ndarray, c: n
     """
     D = cfg.dp_size
     sub = replace(cfg, dp_size=D // w, context_parallel=ContextParallel(size=w), short_step="pad")
-    lens = fp.sample_tokens[kept]
+    lens = units.lens[keep] if units.segs is None else units.lens[keep] + units.halo(w)[keep]  # type: ignore[index]
+    vcap = cfg.max_vision_tokens_per_micro
+    if units.atoms is None:
+        view = step_layout(micro_footprint(fp), units.label[keep], sub)
+    else:
+        view = StepLayout(None, (units.vision[keep], vcap)) if units.vision is not None and vcap is not None else None
     try:
-        fit = fit_step(0, kept, lens, c, batch.rollout_codes[kept], sub, step_layout(micro_footprint(fp), kept, sub))
+        fit = fit_step(0, units.label[keep], lens, units.costs[keep], units.rollouts[keep], sub, view)
     except PlanError:
         return None
     K, groups = fit.micro_count, D // w
     if fit.num_bins != groups * K:
         return None
+    unit_bin = np.empty(keep.size, dtype=np.int64)
+    unit_bin[fit.kept] = fit.bin_of
     scale = loss_scales(cfg.loss, coef, grad_world=D, micro_count=K)  # type: ignore[arg-type]
-    mc = fp.bin_costs(cfg.cost, kept, fit.bin_of, groups * K)  # type: ignore[arg-type]
-    per_gpu = cp_micro_costs(cfg.cost, mc, fp.bin_tokens(kept, fit.bin_of, groups * K), w)
+    mc, tokens = binner.costs_tokens(unit_bin, groups * K)
+    per_gpu = cp_micro_costs(cfg.cost, mc, tokens, w)
     placed = arrange(per_gpu, groups, K)
-    bins = binned_micros(kept, fit.bin_of, groups * K, scale, batch)
+    bins = binner.parts(unit_bin, groups * K, scale)
+    mfp = micro_footprint(fp)
     grid: list[list[Micro]] = []
     for g in range(groups):
         group = tuple(range(g * w, (g + 1) * w))
-        grid.extend([Micro._trusted(*bins[b], w, q, group, footprint=micro_footprint(fp)) for b in placed[g]]
-                    for q in range(w))
+        grid.extend([Micro._trusted(*bins[b][0], w, q, group, bins[b][1], footprint=mfp)  # type: ignore[arg-type]
+                     for b in placed[g]] for q in range(w))
     rank_cost = per_gpu[placed]
     return _Candidate(grid, _step_time(rank_cost, cfg), np.repeat(rank_cost, w, axis=0))
-
 
 
 def _unsplit(cand: _Candidate, cfg: PlanConfig, fp: Footprint) -> _Candidate:
@@ -467,15 +502,16 @@ def _short_message(s: int, n: int, lens: np.ndarray, deg: np.ndarray, cfg: PlanC
             "ContextParallel.max_size.")
 
 
-def _drop(s: int, samples: np.ndarray, batch: Batch, c: np.ndarray, deg: np.ndarray, cfg: PlanConfig,
-          lens: np.ndarray, extra: tuple[np.ndarray, int] | None) -> tuple[tuple[_Layout, int] | None, np.ndarray]:
+def _drop(units: CPUnits, c: np.ndarray, deg: np.ndarray, cfg: PlanConfig, lens: np.ndarray,
+          extra: tuple[np.ndarray, int] | None) -> tuple[tuple[_Layout, int] | None, np.ndarray]:
     """Keep the longest prefix of whole rollouts that needs no placeholder."""
-    codes = batch.rollout_codes[samples]
+    codes = units.rollouts
     uniq = np.unique(codes)
     for keep_r in range(uniq.size - 1, 0, -1):
         pos = np.flatnonzero(codes < uniq[keep_r])
         got = _layout_step(lens[pos], c[pos], deg[pos], cfg, allow_short=False,
-                           extra=None if extra is None else (extra[0][pos], extra[1]))
+                           extra=None if extra is None else (extra[0][pos], extra[1]),
+                           segs=None if units.segs is None else units.segs[pos])
         if got is not None:
             return got, pos
-    return None, np.arange(samples.size)
+    return None, np.arange(lens.size)

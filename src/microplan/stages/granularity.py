@@ -21,12 +21,15 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
+from ..footprint import HALO_ROWS
 from .atoms import Atoms, halo_room, sample_atoms, tree_atoms
+from .cp import DynamicCPStep, plan_dynamic_cp_step
+from .cp_units import atom_units
 from .context import PlanContext
 from .fit import effective_cap
 from .place import Layout, lay_out
 
-__all__ = ["best_layout", "CUT_FRACTIONS"]
+__all__ = ["best_layout", "best_dynamic_cp", "CUT_FRACTIONS"]
 
 CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
 
@@ -102,3 +105,29 @@ def _fitting_trees(samples: np.ndarray, ctx: PlanContext, limit: int, cap: int) 
             return atoms
         limit = max(1, min(limit, int(atoms.tokens[excess > 0].max())) - int(excess.max()))
     return atoms
+
+
+def best_dynamic_cp(s: int, samples: np.ndarray, ctx: PlanContext) -> DynamicCPStep:
+    """``share_prefixes`` × ``ContextParallel(max_size=c)``: the step packed by ``stages/cp.py`` as
+    whole trees (cut only where a tree fits no group of c GPUs, halo rows counted) and as one
+    atom per sample (each micro-batch's samples still share their trie); the candidate dropping
+    the fewest samples, then with the least predicted time, is kept."""
+    cfg, b = ctx.cfg, ctx.batch
+    forest = (ctx.parent, ctx.shared)
+    cmax, cap = int(cfg.context_parallel.max_size), int(cfg.max_tokens_per_micro)  # type: ignore[union-attr,arg-type]
+    limit, cands, errors = cmax * cap, [], []
+    for _ in range(8):  # cut until every tree part fits a group of cmax GPUs with its halo rows
+        units = atom_units(tree_atoms(samples, ctx, limit), ctx.parent, ctx.shared, b)
+        pad = cfg.pad_row_to_multiple_of > 1
+        over = units.lens + HALO_ROWS * cmax * (units.segs + pad) - cmax * cap  # type: ignore[operator]
+        if not (over > 0).any() or limit <= 1:
+            break
+        limit = max(1, min(limit, int(units.lens[over > 0].max())) - int(over.max()))
+    for u in (units, atom_units(sample_atoms(samples, ctx), ctx.parent, ctx.shared, b)):
+        try:
+            cands.append(plan_dynamic_cp_step(s, samples, b, ctx.costs, cfg, ctx.fp, units=u, forest=forest))
+        except PlanError as exc:
+            errors.append(exc)
+    if not cands:
+        raise errors[-1]
+    return min(cands, key=lambda c: (c.dropped.size, c.time))

@@ -49,7 +49,8 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
                   load: np.ndarray | None = None, tokens: np.ndarray | None = None,
                   extra: Extra | None = None, extra_load: np.ndarray | None = None,
                   room: np.ndarray | None = None,
-                  increments: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+                  increments: tuple[np.ndarray, np.ndarray] | None = None,
+                  halo: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
@@ -59,7 +60,9 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     (not scaled by width), ``extra_load`` its starting load per bin; ``room``: each bin's token
     capacity when it is not width·cap (a row multiple); ``increments``: (per cost, per token), the
     per-GPU load a sample adds to each bin (a priced CP group, ``stages/cp.py``) instead of
-    cost / width. Returns the bin of each sample, or None if one fits nowhere.
+    cost / width; ``halo``: (segments per sample, tokens per segment per bin), room a sample takes
+    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``). Returns the
+    bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
     order = np.argsort(-costs, kind="stable")
@@ -70,6 +73,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     load_x = np.zeros(B, dtype=np.int64) if extra_load is None else extra_load.astype(np.int64)
     inv_w = 1.0 / width if increments is None else increments[0]
     tok_w = None if increments is None else increments[1]
+    segs, per_seg = (np.zeros(n, dtype=np.int64), np.zeros(B, dtype=np.int64)) if halo is None else halo
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
@@ -80,17 +84,18 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             (0.0 if tok_w is None else seq_lens[chunk] * tok_w[srt[: chunk.size]])
         c = chunk.size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
         chunk, bins = chunk[:c], srt[:c]
-        fits = np.ones(c, dtype=bool) if room_t is None else load_t[bins] + seq_lens[chunk] <= room_t[bins]
+        use = seq_lens[chunk] + segs[chunk] * per_seg[bins]
+        fits = np.ones(c, dtype=bool) if room_t is None else load_t[bins] + use <= room_t[bins]
         if ex is not None:
             fits &= load_x[bins] + ex[chunk] <= ex_cap
         good, gbins = chunk[fits], bins[fits]
         bin_of[good] = gbins
         load_c[gbins] += costs[good] * inv_w[gbins] + (0.0 if tok_w is None else seq_lens[good] * tok_w[gbins])
-        load_t[gbins] += seq_lens[good]
+        load_t[gbins] += use[fits]
         if ex is not None:
             load_x[gbins] += ex[good]
         for s in chunk[~fits]:
-            room = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] <= room_t
+            room = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] + segs[s] * per_seg <= room_t
             if ex is not None:
                 room &= load_x + ex[s] <= ex_cap
             if not room.any():
@@ -98,7 +103,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             b = int(np.argmin(np.where(room, load_c, np.inf)))
             bin_of[s] = b
             load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
-            load_t[b] += seq_lens[s]
+            load_t[b] += seq_lens[s] + segs[s] * per_seg[b]
             if ex is not None:
                 load_x[b] += ex[s]
         pos += c
