@@ -18,6 +18,7 @@ import microplan as mp
 from microplan.cost import CPCost, cp_micro_costs
 from microplan.cost.hf import kv_values_per_token
 from microplan.stats import step_cost_grid
+from test_dynamic_cp import dynamic_cases
 
 BASE = mp.FlopsCost(linear=1.0, quadratic=0.05, per_micro=8.0)
 LLAMA3_8B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -89,15 +90,12 @@ def test_stats_price_every_cp_micro_batch_with_the_one_function():
 
 @st.composite
 def priced_cases(draw):
-    D = draw(st.sampled_from([2, 4, 8]))
-    cmax = draw(st.sampled_from([c for c in (2, 4, 8) if c <= D]))
-    cap = draw(st.integers(4, 64))
-    n = draw(st.integers(1, 6 * D))
-    lens = draw(st.lists(st.integers(1, cap * cmax), min_size=n, max_size=n))
+    """test_dynamic_cp's plane, lengths and sync, priced with a random CP term."""
+    D, cmax, cap, lens, sync = draw(dynamic_cases())
     cp = CPCost(comm_per_token=draw(st.sampled_from([0.0, 0.1, 1.0, 10.0])),
                 overlap=draw(st.sampled_from([0.0, 0.5, 1.0])), efficiency=draw(st.sampled_from([1.0, 0.9, 0.6])),
                 split_overhead=draw(st.sampled_from([0.0, 4.0, 50.0])))
-    return D, cmax, cap, lens, draw(st.sampled_from(["micro", "step"])), replace(BASE, cp=cp)
+    return D, cmax, cap, lens, sync, replace(BASE, cp=cp)
 
 
 def _cfg(D, cap, sync, cost, cp=None, short_step="pad"):
