@@ -9,8 +9,10 @@ the model inside ``context_parallel(its CP group)`` and backwards its shard's lo
   DP group g // c);
 - ``dynamic``: flat rows, ``ContextParallel(max_size=c)`` over the 4-process plane (the plan
   says each micro-batch's group and cp_rank; slots mix widths);
-- ``tree``: a ``share_prefixes=True`` plan without CP at dp = 4 / c, each DP rank's tree rows
-  sharded over c processes by ``PackedMicro.cp_shard(q, cp_size=c)``.
+- ``tree``: a ``share_prefixes=True`` plan with ``ContextParallel(size=c)`` at dp = 4 / c: tree
+  rows sharded over c processes by ``PackedMicro.cp_shard(q)``, halo rows counted by the planner;
+- ``dynamic-tree``: ``share_prefixes=True`` with ``ContextParallel(max_size=c)`` over the plane
+  (tree atoms in groups of mixed widths).
 
 Per micro-batch: one forward, then one backward per loss mode (the 7 plans share the layout,
 differ in weights); every backward's gathers reduce-scatter over the group. Per step the summed
@@ -51,6 +53,7 @@ def cases() -> list[tuple[str, int, str, str]]:
     for c in (2, 4):
         out += [("fixed", c, "grpo", "ppo"), ("dynamic", c, "stepwise" if c == 2 else "grpo", "ppo")]
         out += [("tree", c, f"tree-{d}", lk) for d in ("grpo", "stepwise") for lk in ("ppo", "pg")]
+        out += [("dynamic-tree", c, "tree-grpo", "ppo")]
     return out
 
 
@@ -62,13 +65,18 @@ def config(kind: str, c: int, ds: Dataset, mode: str) -> mp.PlanConfig:
     if kind == "dynamic":  # caps that give slots of mixed widths on this data (checked by the test)
         return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=8 if c == 2 else 4, loss=loss,
                              steps=mp.Steps(prompts_per_step=3), context_parallel=mp.ContextParallel(max_size=c))
-    return mp.PlanConfig(dp_size=WORLD // c, max_tokens_per_micro=max(ds.seq_lens) + 8, loss=loss, share_prefixes=True,
-                         steps=mp.Steps(prompts_per_step=2))
+    if kind == "dynamic-tree":  # caps that give slots of mixed widths on the GRPO trees (checked by the test)
+        return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=14 if c == 2 else 10, loss=loss,
+                             share_prefixes=True, steps=mp.Steps(prompts_per_step=2),
+                             context_parallel=mp.ContextParallel(max_size=c))
+    return mp.PlanConfig(dp_size=WORLD // c, max_tokens_per_micro=max(ds.seq_lens) // c + 8, loss=loss,
+                         share_prefixes=True, steps=mp.Steps(prompts_per_step=2),
+                         context_parallel=mp.ContextParallel(size=c))
 
 
 def batch(ds: Dataset, kind: str) -> mp.Batch:
     parent = shared = None
-    if kind == "tree":
+    if kind.endswith("tree"):
         parent, shared = mp.find_shared_prefixes(ds.tokens)
     return mp.Batch(ds.seq_lens, loss_tokens=ds.loss_tokens, prompt_ids=ds.prompt_ids, rollout_ids=ds.rollout_ids,
                     prefix_parent=parent, shared_prefix_lens=shared)
@@ -116,7 +124,7 @@ class Groups:
 
 def _member(kind: str, c: int, rank: int, micro: mp.Micro) -> tuple[int, int, tuple[int, ...]]:
     """(cp size, cp rank, CP group's global ranks) of this process for ``micro``."""
-    if kind == "dynamic":
+    if kind.startswith("dynamic"):
         return micro.cp_size, micro.cp_rank, tuple(micro.cp_group)
     g = rank // c
     return c, rank % c, tuple(range(g * c, g * c + c))
@@ -128,8 +136,8 @@ def run_case(rank: int, model: torch.nn.Module, groups: Groups, kind: str, c: in
     dist = groups.dist
     params = list(model.parameters())
     ps = plans(kind, c, ds)
-    plan_rank = rank if kind == "dynamic" else rank // c
-    W, D = WORLD, ps[0].config.dp_size
+    plan_rank = rank if kind.startswith("dynamic") else rank // c
+    W = WORLD
     old = dict(enumerate(ds.old_logp))
     adv = {i: a for i, a in enumerate(ds.adv)}
     errs = {m: [0.0, 0.0] for m in mp.LOSS_MODES}
@@ -162,9 +170,8 @@ def run_case(rank: int, model: torch.nn.Module, groups: Groups, kind: str, c: in
                 Js[j] += L.detach()
         dist.all_reduce(acc)
         dist.all_reduce(Js)
-        div = W if kind != "tree" else D  # "mean" over the plan's W; tree: the plan's D ranks, CP members summed
-        acc /= div
-        Js /= div
+        acc /= W  # "mean" over the plan's W = every GPU of the DP x CP plane
+        Js /= W
         samples = tuple(step.samples.tolist())
         for j, mode in enumerate(mp.LOSS_MODES):
             g_ref, J_ref = refs[(name, lk, samples, mode)]

@@ -221,7 +221,7 @@ def test_cp_gradients_and_objective_are_exact(gloo_results, case):
     widths = sorted({w for out in gloo_results for w in out[case]["ran"]["widths"]})
     assert all(out[case]["ran"]["sharded"] > 0 for out in gloo_results)   # every process ran real CP
     assert max(widths) == c
-    if kind == "dynamic":                                         # slots mixing CP widths ran
+    if kind.startswith("dynamic"):                                # slots mixing CP widths ran
         assert len(widths) > 1, widths
     assert sum(out[case]["ran"]["halo_tokens"] for out in gloo_results) > 0  # predecessors crossed members
 
