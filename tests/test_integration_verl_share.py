@@ -1,21 +1,33 @@
-"""``install(share_prefixes=True)`` on verl 0.9.1's REAL engine loop, on CPU gloo ranks.
+"""``install(share_prefixes=True)`` on verl 0.9.1's REAL FSDP engine, on CPU gloo ranks.
 
-What runs is verl's own code: ``FSDPEngine.forward_backward_batch`` (its micro-batching through
-``prepare_micro_batches``, the loss normaliser all-reduce, the restore), ``train_batch`` /
-``infer_batch`` / ``optimizer_step``, ``FSDPEngineWithLMHead.forward_step`` with its
-remove-padding ``prepare_model_inputs`` / ``prepare_model_outputs`` (which run on CPU: with
-``attention_mask=None`` transformers 5 derives the packed row's block-causal mask from the
-position ids, so flash-attn is not needed), verl's ``ppo_loss`` with an ``FSDPActorConfig``, and
-verl's data layout (``left_right_2_no_padding``). The engine object is built without
-``FSDPEngine.__init__`` / ``initialize`` (they build FSDP on CUDA: ``get_device_id()`` calls
-``torch.cuda.current_device()``); its module is the tiny model in torch's DDP over gloo (the
-gradient average FSDP's reduce-scatter does), and verl's device helpers are pointed at "cpu" in
-the test processes (verl's platform reports "cuda" on a CPU-only torch).
+What runs is verl's own code end to end: ``FSDPEngineWithLMHead(model_config, engine_config,
+optimizer_config, checkpoint_config).initialize()`` (verl loads the model from a local directory,
+applies its monkey patches, wraps it in FSDP2 — ``fully_shard`` over a gloo device mesh — and
+builds the optimizer), ``train_batch`` / ``infer_batch`` / ``forward_backward_batch`` (its
+micro-batching through ``prepare_micro_batches``, the loss normaliser all-reduce, the restore),
+``forward_step`` with its remove-padding ``prepare_model_inputs`` / ``prepare_model_outputs``,
+``optimizer_step`` (FSDP2 grad clipping), verl's ``ppo_loss`` with an ``FSDPActorConfig`` and
+verl's data layout (``left_right_2_no_padding``).
+
+What is CUDA-only in verl 0.9.1, and how this test runs without it:
+- verl has no CPU platform: platform detection falls back to ``PlatformCUDA``, whose
+  ``current_device()`` calls ``torch.cuda.current_device()`` (used by ``get_device_id()`` in
+  ``forward_step``, ``forward_backward_batch`` and ``fsdp2_clip_grad_norm_``) and whose
+  ``device_module`` is ``torch.cuda`` (memory logging). :func:`_cpu_platform` registers a CPU
+  platform through verl's own plugin API, ``set_platform``.
+- verl's default attention is ``flash_attention_2`` (flash-attn, CUDA): the model config's
+  ``override_config={"attn_implementation": "sdpa"}`` (verl's own switch) — verl's
+  remove-padding path then runs on CPU because transformers 5 derives the packed row's
+  block-causal mask from the restarting position ids when ``attention_mask`` is None.
+- not CUDA but this environment: verl's monkey patch imports TRL's
+  ``AutoModelForCausalLMWithValueHead``, which the installed TRL no longer has (verl is
+  installed ``--no-deps``); the patch is told TRL is absent.
 
 Claims: on 2 ranks with uneven local batches of GRPO groups (siblings sharing prompts, some
-sharing a response prefix), the log-probs and entropies of the log-prob pass and the parameter
-update of one PPO step equal stock verl's within 1e-5 relative in float32, while the tree rows
-compute fewer tokens.
+sharing a response prefix), with gradient checkpointing on (the backward re-runs each layer with
+the tree's attention), the log-probs and entropies of the log-prob pass and the parameter update
+of one PPO step (SGD, so the update is the gradient) equal stock verl's within 1e-5 relative in
+float32, while the tree rows compute fewer tokens.
 """
 
 from __future__ import annotations
@@ -79,60 +91,80 @@ def _batch(rank: int, *, update: bool):
     return td
 
 
-def _engine(model):
-    """verl's FSDPEngineWithLMHead without its CUDA-only construction (module note)."""
-    import verl.utils.torch_functional as verl_F
+def _cpu_platform() -> None:
+    """A CPU platform for verl (module note): device "cpu", no device memory statistics."""
+    import verl.models.transformers.monkey_patch as vmp
+    from verl.plugin.platform.platform_cuda import PlatformCUDA
+    from verl.plugin.platform.platform_manager import set_platform
+    zero = lambda *a, **k: 0  # noqa: E731
+    device = types.SimpleNamespace(mem_get_info=lambda *a: (0, 0), memory_allocated=zero, memory_reserved=zero,
+                                   max_memory_allocated=zero, max_memory_reserved=zero, synchronize=zero,
+                                   empty_cache=zero, reset_peak_memory_stats=zero, manual_seed=zero,
+                                   current_device=lambda: "cpu", is_available=lambda: False, device_count=lambda: 1)
+
+    class CPUPlatform(PlatformCUDA):
+        device_name = property(lambda self: "cpu")
+        device_module = property(lambda self: device)
+
+        def current_device(self) -> str:
+            return "cpu"
+    set_platform(CPUPlatform())
+    vmp.is_trl_available = lambda: False  # the installed TRL lacks the value-head class verl's patch imports
+
+
+def _engine(path: str):
+    """verl's actor engine as a verl worker builds it: FSDP2, float32, gradient checkpointing, SGD."""
+    from verl.trainer.config import CheckpointConfig
+    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    eng = object.__new__(FSDPEngineWithLMHead)
-    eng.module = torch.nn.parallel.DistributedDataParallel(model)
-    eng.optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    eng.optimizer_config = types.SimpleNamespace(clip_grad=1e9)
-    eng.engine_config = types.SimpleNamespace(entropy_checkpointing=False, entropy_from_logits_with_chunking=False,
-                                              use_no_sync_for_gradient_accumulation=True)
-    eng.ulysses_sequence_parallel_size, eng.use_ulysses_sp, eng.ulysses_device_mesh = 1, False, None
-    eng.pad_to_length, eng.scaler, eng._autocast_dtype, eng._qat_enabled = False, None, torch.float32, False
-    eng.compute_entropy_from_logits = verl_F.entropy_from_logits
+    model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True, enable_gradient_checkpointing=True,
+                          override_config={"attn_implementation": "sdpa"})
+    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
+    engine = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype="fp32", mixed_precision=fp32)
+    optim = FSDPOptimizerConfig(optimizer="SGD", optimizer_impl="torch.optim", lr=1.0, weight_decay=0.0,
+                                clip_grad=1e9, total_training_steps=1)
+    eng = FSDPEngineWithLMHead(model, engine, optim, CheckpointConfig())
+    eng.initialize()
     return eng
 
 
-def _cpu_devices() -> None:
-    """verl's device helpers report "cuda" on a CPU-only torch; point the modules the loop uses at the CPU."""
-    import verl.utils.seqlen_balancing as vsb
-    import verl.workers.engine.fsdp.transformer_impl as ti
-    ti.get_device_id = ti.get_device_name = vsb.get_device_name = lambda: "cpu"
+def _params(eng) -> torch.Tensor:
+    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().clone()
+                      for p in eng.module.parameters()])
 
 
-def _pass(share: bool | None) -> dict:
+def _pass(path: str, share: bool | None) -> dict:
     """One log-prob pass and one PPO update on this rank; ``share=None``: stock verl (no install)."""
     from functools import partial
 
-    from _tiny_model import make_model
     from verl.workers.config import FSDPActorConfig
     from verl.workers.utils.losses import ppo_loss
+    rank = torch.distributed.get_rank()
     if share is not None:
         mpv.install(share_prefixes=share, meter=False)
     try:
-        model = make_model(7, dtype=torch.float32, max_positions=64)
-        eng = _engine(model)
-        before = torch.cat([p.detach().flatten().clone() for p in model.parameters()])
-        lp = eng.infer_batch(_batch(torch.distributed.get_rank(), update=False))["model_output"]
+        eng = _engine(path)
+        before = _params(eng)
+        with eng.eval_mode():
+            lp = eng.infer_batch(_batch(rank, update=False))["model_output"]
         cfg = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, use_dynamic_bsz=True,
                               ppo_max_token_len_per_gpu=80, rollout_n=1, entropy_coeff=0.01)
-        model.train()
-        out = eng.train_batch(_batch(torch.distributed.get_rank(), update=True), partial(ppo_loss, cfg))
-        after = torch.cat([p.detach().flatten() for p in model.parameters()])
+        with eng.train_mode():
+            out = eng.train_batch(_batch(rank, update=True), partial(ppo_loss, cfg))
+        delta = (_params(eng) - before).numpy()
         counts = mpv.token_counts()
+        attention = eng.module.config._attn_implementation  # the model's own is back after each loop
     finally:
         if share is not None:
             mpv.uninstall()
     return {"log_probs": [t.numpy().copy() for t in lp["log_probs"].unbind()],  # numpy: tensors would travel
             "entropy": [t.numpy().copy() for t in lp["entropy"].unbind()],        # as shared memory that dies
-            "delta": (after - before).numpy(), "loss": out["loss"], "counts": tuple(counts)}  # with the rank
+            "delta": delta, "loss": out["loss"], "counts": tuple(counts), "attention": attention}  # with the rank
 
 
-def _worker(rank: int, world: int) -> dict:
-    _cpu_devices()
-    return {name: _pass(share) for name, share in (("verl", None), ("unshared", False), ("shared", True))}
+def _worker(rank: int, world: int, path: str) -> dict:
+    _cpu_platform()
+    return {name: _pass(path, share) for name, share in (("verl", None), ("unshared", False), ("shared", True))}
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -140,8 +172,17 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 
 
 @pytest.fixture(scope="module")
-def runs():
-    out = run_gloo(_worker, 2, timeout_s=600)
+def model_dir(tmp_path_factory) -> str:
+    """The tiny float32 Llama verl loads (``from_pretrained`` of a local directory: no network)."""
+    from _tiny_model import make_model
+    path = str(tmp_path_factory.mktemp("tiny-llama"))
+    make_model(7, dtype=torch.float32, max_positions=64).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir):
+    out = run_gloo(_worker, 2, args=(model_dir,), timeout_s=600)
     assert not any(isinstance(o, RankError) for o in out), out
     return out
 
@@ -175,5 +216,133 @@ def test_tree_rows_compute_each_shared_prompt_once(runs):
         computed, unshared, micros = run["shared"]["counts"]
         assert micros > 0 and computed < unshared, run["shared"]["counts"]
         assert run["unshared"]["counts"] == (0, 0, 0)  # share_prefixes=False: verl's own forward
+        assert {r["attention"] for r in run.values()} == {"sdpa"}
         print(f"rank {rank}: tokens computed {computed} shared vs {unshared} unshared over {micros} micro-batches "
               "(log-prob + update passes)")
+
+
+# -- one micro-batch through verl's forward_step: the options the tree path keeps ------------------
+
+def _micro(temperature):
+    from verl.utils import tensordict_utils as tu
+    td = _batch(0, update=False)
+    tu.assign_non_tensor(td, calculate_sum_pi_squared=True)
+    if temperature == "per-sample":  # a [bsz] tensor, as verl allows
+        td["temperature"] = 0.5 + torch.rand(td.batch_size[0], generator=torch.Generator().manual_seed(3))
+    else:
+        tu.assign_non_tensor(td, temperature=temperature)
+    return td
+
+
+def _step_worker(rank: int, world: int, path: str) -> dict:
+    """verl's ``forward_step`` on one micro-batch per temperature kind: verl's packed row, then the tree row."""
+    from microplan.integrations import _verl_tree
+    _cpu_platform()
+    eng = _engine(path)
+    out = {}
+    for kind in (1.0, TEMPERATURE, "per-sample"):
+        with eng.eval_mode(), torch.no_grad():
+            want = eng.forward_step(_micro(kind), None, forward_only=True)[1]["model_output"]
+            mpv.install(share_prefixes=True, meter=False)
+            try:
+                got = eng.forward_step(_micro(kind), None, forward_only=True)[1]["model_output"]
+                counts = mpv.token_counts()
+            finally:
+                mpv.uninstall()
+        out[str(kind)] = {"counts": tuple(counts), "restored": _verl_tree.STATE["restore"] is None,
+                          **{f"{w}/{k}": [t.numpy().copy() for t in d[k].unbind()]
+                             for w, d in (("got", got), ("want", want)) for k in ("log_probs", "entropy", "sum_pi_squared")}}
+    return out
+
+
+def test_forward_step_matches_verls_with_temperatures_entropy_and_sum_pi_squared(model_dir):
+    """verl's ``forward_step`` on one micro-batch, tree row vs verl's packed row: log-probs (every
+    position but each sample's last), entropy and Σπ² agree, for unit, scalar and per-sample
+    temperatures (the tree path dedups (row, label, temperature) triples)."""
+    (out,) = run_gloo(_step_worker, 1, args=(model_dir,), timeout_s=300)
+    assert not isinstance(out, RankError), out
+    for kind, res in out.items():
+        computed, unshared, micros = res["counts"]
+        assert micros == 1 and computed < unshared and res["restored"], (kind, res["counts"])
+        for key in ("log_probs", "entropy", "sum_pi_squared"):
+            got, want = res[f"got/{key}"], res[f"want/{key}"]
+            assert [t.size for t in got] == [t.size for t in want]
+            cut = (lambda t: t[:-1]) if key == "log_probs" else (lambda t: t)
+            x, y = np.concatenate([cut(t) for t in got]), np.concatenate([cut(t) for t in want])
+            assert _rel(x, y) < 1e-5, (kind, key, _rel(x, y))
+
+
+# -- what runs as a tree, and the plan behind it -------------------------------------------------------
+
+def test_eligible_keeps_verls_forward_for_what_a_tree_row_cannot_run():
+    from verl.utils import tensordict_utils as tu
+
+    from microplan.integrations._verl_tree import eligible
+    assert eligible(_batch(1, update=False))
+    for key, value in (("use_fused_kernels", True), ("distillation_use_topk", True), ("sp_size", 2)):
+        td = _batch(1, update=False)
+        tu.assign_non_tensor(td, **{key: value})
+        assert not eligible(td), key  # fused kernels score inside the model; Ulysses splits the row
+    td = _batch(1, update=False)
+    pos = [p + 1 for p in td["position_ids"].unbind()]  # positions not 0..L-1 (e.g. packed turns)
+    td["position_ids"] = torch.nested.as_nested_tensor(pos, layout=torch.jagged)
+    assert not eligible(td) and eligible(td, positions=False)
+
+
+def test_install_wraps_the_lm_engine_only_and_uninstall_restores_it():
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    from microplan.integrations import _verl_tree
+    names = ("forward_backward_batch", "forward_step", "prepare_model_inputs", "prepare_model_outputs")
+    before = {n: FSDPEngineWithLMHead.__dict__.get(n) for n in names}
+    critic = FSDPEngineWithValueHead.prepare_model_outputs
+    mpv.install(share_prefixes=True, meter=False)
+    try:
+        assert all(FSDPEngineWithLMHead.__dict__.get(n) is not before[n] for n in names)
+        assert FSDPEngineWithValueHead.prepare_model_outputs is critic  # a value head scores its own way
+        assert not _verl_tree._shares(object.__new__(FSDPEngineWithValueHead), FSDPEngineWithLMHead)
+        actor = object.__new__(FSDPEngineWithLMHead)
+        actor.use_ulysses_sp = False
+        assert _verl_tree._shares(actor, FSDPEngineWithLMHead)
+        actor.use_ulysses_sp = True
+        assert not _verl_tree._shares(actor, FSDPEngineWithLMHead)
+        assert _verl_tree.sharing_engine() is None  # outside an engine's loop the plan does not share
+    finally:
+        mpv.uninstall()
+    assert {n: FSDPEngineWithLMHead.__dict__.get(n) for n in names} == before
+
+
+def _plan_worker(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    td = _batch(rank, update=False)
+    ids = td["input_ids"]
+    off = ids.offsets().tolist()
+    tokens = [ids.values()[a:b] for a, b in zip(off[:-1], off[1:])]
+    lens = [t.numel() for t in tokens]
+    flat = mpv.plan_micro_batches(lens, 80, dp_group=dist.group.WORLD)
+    tree = mpv.plan_micro_batches(lens, 80, dp_group=dist.group.WORLD, token_ids=tokens)
+    micros = tree.plan.steps[0].micros[rank]
+    return {"flat": flat.index_lists, "tree": tree.index_lists, "n": len(lens),
+            "unique": [int(m.num_tokens) for m in micros if not m.is_placeholder],
+            "home": [bool(((m.indices - tree.offset) >= 0).all() and ((m.indices - tree.offset) < len(lens)).all())
+                     for m in micros]}
+
+
+def test_the_plan_caps_unique_tokens_and_keeps_samples_home_on_gloo_ranks():
+    """plan_micro_batches(token_ids=...) over 2 uneven ranks: a permutation of the local samples,
+    the same K everywhere, every tree under the cap in UNIQUE tokens, and fewer micro-batches than
+    planning by whole samples (siblings share their prompt)."""
+    out = run_gloo(_plan_worker, 2, timeout_s=240)
+    assert not any(isinstance(o, RankError) for o in out), out
+    assert len({len(o["tree"]) for o in out}) == 1
+    for o in out:
+        assert sorted(i for idx in o["tree"] for i in idx) == list(range(o["n"]))
+        assert all(o["home"]) and max(o["unique"]) <= 80
+    assert len(out[0]["tree"]) < len(out[0]["flat"]), out
+
+
+def test_token_ids_need_one_list_per_sample_and_no_groups():
+    with pytest.raises(mp.PlanError, match="force_group_size=1"):
+        mpv.plan_micro_batches([4, 4], 16, force_group_size=2, token_ids=[[1, 2, 3, 4], [1, 2, 3, 5]])
+    with pytest.raises(mp.PlanError, match="one token list per sample"):
+        mpv.plan_micro_batches([4, 4], 16, token_ids=[[1, 2, 3, 4]])

@@ -31,14 +31,14 @@ on CPU (flash-attn varlen on GPU when installed) against the GEMMs of every repe
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from typing import Any, NamedTuple
 
 import numpy as np
 
 __all__ = ["TokenCounts", "token_counts", "wrap_lm_engine", "unwrap", "sharing_engine", "eligible", "STATE"]
 
-STATE: dict[str, Any] = {"share": False, "engine": None, "computed": 0, "unshared": 0, "micro_batches": 0}
+STATE: dict[str, Any] = {"share": False, "engine": None, "computed": 0, "unshared": 0, "micro_batches": 0,
+                         "restore": None}  # (model, its own attention) while a tree micro-batch's attention is set
 _WRAPPED: list[tuple[Any, str, Any]] = []
 _KEY = "microplan_tree"
 
@@ -100,16 +100,18 @@ def wrap_lm_engine(cls: Any) -> None:
             return super(cls, self).forward_backward_batch(data, loss_function, forward_only=forward_only)
         finally:
             STATE["engine"] = before
+            _own_attention()
 
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
         if not (STATE["share"] and _shares(self, cls) and eligible(micro_batch)):
+            _own_attention()
             return step(self, micro_batch, loss_function, forward_only)
-        with _tree_attention(self.module):
-            self.__dict__[_KEY] = True
-            try:
-                return step(self, micro_batch, loss_function, forward_only)
-            finally:
-                self.__dict__.pop(_KEY, None)
+        _tree_attention(self.module)  # kept until the next flat micro-batch or the loop's end: see _tree_attention
+        self.__dict__[_KEY] = True
+        try:
+            return step(self, micro_batch, loss_function, forward_only)
+        finally:
+            self.__dict__.pop(_KEY, None)
 
     def prepare_model_inputs(self: Any, micro_batch: Any) -> Any:
         if not self.__dict__.get(_KEY):
@@ -128,6 +130,7 @@ def wrap_lm_engine(cls: Any) -> None:
 
 
 def unwrap() -> None:
+    _own_attention()
     while _WRAPPED:
         cls, name, original = _WRAPPED.pop()
         if original is None:
@@ -251,15 +254,25 @@ def _hf_model(module: Any) -> Any:
                     "(set_attn_implementation); install(share_prefixes=False) for this engine.")
 
 
-@contextmanager
-def _tree_attention(module: Any):
-    """The model runs microplan's attention (it reads the trie's path table) inside, its own after."""
+def _tree_attention(module: Any) -> None:
+    """The model runs microplan's attention (it reads the trie's path table) from now on.
+
+    Not a context around ``forward_step``: verl runs the micro-batch's backward after
+    ``forward_step`` returns, and gradient checkpointing re-runs the layers' forward there, which
+    must see the same attention. :func:`_own_attention` puts the model's own back before the next
+    flat micro-batch and when the loop ends."""
     from ..torch import register_attention
     model = _hf_model(module)
     name = register_attention()
-    before = model.config._attn_implementation
+    if STATE.get("restore") is not None and STATE["restore"][0] is model:
+        return
+    _own_attention()
+    STATE["restore"] = (model, model.config._attn_implementation)
     model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(before)
+
+
+def _own_attention() -> None:
+    held = STATE.get("restore")
+    if held is not None:
+        STATE["restore"] = None
+        held[0].set_attn_implementation(held[1])
