@@ -29,6 +29,12 @@ lists; ``restore_dynamic_batch`` still restores the order) — with padded input
 (nested) input cannot hold an empty micro-batch, so there every rank raises the same PlanError
 (the plan is the same everywhere) before any micro-batch is built.
 
+With ``install(share_prefixes=True)``, inside verl's actor engine loop the plan is made with
+``share_prefixes=True`` from each rank's token ids (prefixes found on the rank, one extra
+all-gather), so ``max_token_len`` caps the unique tokens of each micro-batch's prefix trie, and
+``_verl_tree`` runs the engine's forward on those tries (each shared prompt once per micro-batch;
+log-probs and update equal to verl's own within 1e-6 in float32, tests/test_integration_verl_share.py).
+
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
 lists that are a permutation of the local batch. Balance uses verl's own workload model
