@@ -257,6 +257,19 @@ def _step_worker(rank: int, world: int, path: str) -> dict:
         out[str(kind)] = {"counts": tuple(counts), "restored": _verl_tree.STATE["restore"] is None,
                           **{f"{w}/{k}": [t.numpy().copy() for t in d[k].unbind()]
                              for w, d in (("got", got), ("want", want)) for k in ("log_probs", "entropy", "sum_pi_squared")}}
+    # one sample per group: nothing shared, so verl's own row runs (bit for bit, uncounted)
+    from verl.utils import tensordict_utils as tu
+    alone = lambda: tu.index_select_tensor_dict(_micro(1.0), torch.tensor([0, 4, 7]))  # noqa: E731
+    firsts = {int(t[0]) for t in alone()["input_ids"].unbind()}
+    with eng.eval_mode(), torch.no_grad():
+        want = eng.forward_step(alone(), None, forward_only=True)[1]["model_output"]["log_probs"]
+        mpv.install(share_prefixes=True, meter=False)
+        try:
+            got = eng.forward_step(alone(), None, forward_only=True)[1]["model_output"]["log_probs"]
+            out["alone"] = {"counts": tuple(mpv.token_counts()), "firsts": len(firsts),
+                            "equal": all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))}
+        finally:
+            mpv.uninstall()
     return out
 
 
@@ -266,6 +279,8 @@ def test_forward_step_matches_verls_with_temperatures_entropy_and_sum_pi_squared
     temperatures (the tree path dedups (row, label, temperature) triples)."""
     (out,) = run_gloo(_step_worker, 1, args=(model_dir,), timeout_s=300)
     assert not isinstance(out, RankError), out
+    alone = out.pop("alone")
+    assert alone == {"counts": (0, 0, 0), "firsts": 3, "equal": True}, alone
     for kind, res in out.items():
         computed, unshared, micros = res["counts"]
         assert micros == 1 and computed < unshared and res["restored"], (kind, res["counts"])

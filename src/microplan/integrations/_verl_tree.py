@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-__all__ = ["TokenCounts", "token_counts", "wrap_lm_engine", "unwrap", "sharing_engine", "eligible", "STATE"]
+__all__ = ["TokenCounts", "token_counts", "wrap_lm_engine", "unwrap", "sharing_engine", "eligible", "trie", "STATE"]
 
 STATE: dict[str, Any] = {"share": False, "engine": None, "computed": 0, "unshared": 0, "micro_batches": 0,
                          "restore": None}  # (model, its own attention) while a tree micro-batch's attention is set
@@ -44,8 +44,9 @@ _KEY = "microplan_tree"
 
 
 class TokenCounts(NamedTuple):
-    """Tokens the model ran since ``install``: ``computed`` (tree rows) against ``unshared`` (the
-    same micro-batches' Σ sample lengths, what verl's packed row would run), over ``micro_batches``."""
+    """Tokens of the micro-batches that ran as tree rows since ``install``: ``computed`` (the tree
+    rows) against ``unshared`` (their Σ sample lengths, what verl's packed row would run), over
+    ``micro_batches`` of them (a micro-batch that shares nothing runs verl's own row, uncounted)."""
 
     computed: int
     unshared: int
@@ -103,20 +104,22 @@ def wrap_lm_engine(cls: Any) -> None:
             _own_attention()
 
     def forward_step(self: Any, micro_batch: Any, loss_function: Any, forward_only: bool) -> Any:
-        if not (STATE["share"] and _shares(self, cls) and eligible(micro_batch)):
+        packed = trie(micro_batch) if STATE["share"] and _shares(self, cls) and eligible(micro_batch) else None
+        if packed is None:  # verl's own forward (nothing shared, or a micro-batch a tree cannot run)
             _own_attention()
             return step(self, micro_batch, loss_function, forward_only)
         _tree_attention(self.module)  # kept until the next flat micro-batch or the loop's end: see _tree_attention
-        self.__dict__[_KEY] = True
+        self.__dict__[_KEY] = packed
         try:
             return step(self, micro_batch, loss_function, forward_only)
         finally:
             self.__dict__.pop(_KEY, None)
 
     def prepare_model_inputs(self: Any, micro_batch: Any) -> Any:
-        if not self.__dict__.get(_KEY):
+        packed = self.__dict__.get(_KEY)
+        if packed is None:
             return inputs(self, micro_batch)
-        return tree_inputs(micro_batch)
+        return tree_inputs(packed, micro_batch)
 
     def prepare_model_outputs(self: Any, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
         if _KEY not in output_args:
@@ -147,20 +150,20 @@ def _shares(engine: Any, cls: Any) -> bool:
 
 # -- the tree row ----------------------------------------------------------------------------------
 
-def tree_inputs(micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``prepare_model_inputs`` for a tree row: (model inputs, output args carrying the trie)."""
-    import torch
-
+def trie(micro_batch: Any) -> Any:
+    """The micro-batch's samples as one prefix-tree row (a ``PackedMicro``), or None when no two
+    samples share a token (verl's own packed row is then the same work)."""
     from ..prefix import find_shared_prefixes, micro_tree
     from ..torch import pack_micro
     from ..types import Micro
     ids = micro_batch["input_ids"]
-    device = ids.device
     offsets = ids.offsets().cpu()
     flat = ids.values().cpu()
     lens = offsets.diff().numpy().astype(np.int64)
     tokens = [flat[int(offsets[i]):int(offsets[i + 1])] for i in range(lens.size)]
     parent, shared = find_shared_prefixes(tokens)
+    if not (shared > 0).any():
+        return None
     members = np.arange(lens.size, dtype=np.int64)
     micro = Micro(members, lens, np.maximum(lens - 1, 0), np.zeros(lens.size),
                   tree=micro_tree(parent, shared, lens, members))
@@ -168,11 +171,18 @@ def tree_inputs(micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     STATE["computed"] += packed.num_tokens
     STATE["unshared"] += int(lens.sum())
     STATE["micro_batches"] += 1
+    return packed
+
+
+def tree_inputs(packed: Any, micro_batch: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``prepare_model_inputs`` for a tree row: (model inputs, output args carrying the trie)."""
+    import torch
+    ids = micro_batch["input_ids"]
+    device = ids.device
     model_inputs = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed.model_inputs().items()}
     model_inputs["attention_mask"] = None
-    temperature = micro_batch["temperature"]
     args = {_KEY: packed.tree.flat_rows.to(device), "labels": torch.roll(ids.values(), shifts=-1, dims=0),
-            "temperature": temperature}
+            "temperature": micro_batch["temperature"]}
     return model_inputs, args
 
 
