@@ -9,19 +9,10 @@ micro-batching through ``prepare_micro_batches``, the loss normaliser all-reduce
 ``optimizer_step`` (FSDP2 grad clipping), verl's ``ppo_loss`` with an ``FSDPActorConfig`` and
 verl's data layout (``left_right_2_no_padding``).
 
-What is CUDA-only in verl 0.9.1, and how this test runs without it:
-- verl has no CPU platform: platform detection falls back to ``PlatformCUDA``, whose
-  ``current_device()`` calls ``torch.cuda.current_device()`` (used by ``get_device_id()`` in
-  ``forward_step``, ``forward_backward_batch`` and ``fsdp2_clip_grad_norm_``) and whose
-  ``device_module`` is ``torch.cuda`` (memory logging). :func:`_cpu_platform` registers a CPU
-  platform through verl's own plugin API, ``set_platform``.
-- verl's default attention is ``flash_attention_2`` (flash-attn, CUDA): the model config's
-  ``override_config={"attn_implementation": "sdpa"}`` (verl's own switch) — verl's
-  remove-padding path then runs on CPU because transformers 5 derives the packed row's
-  block-causal mask from the restarting position ids when ``attention_mask`` is None.
-- not CUDA but this environment: verl's monkey patch imports TRL's
-  ``AutoModelForCausalLMWithValueHead``, which the installed TRL no longer has (verl is
-  installed ``--no-deps``); the patch is told TRL is absent.
+What is CUDA-only in verl 0.9.1, and how this runs without it (benchmarks/_verl_engine.py): verl
+has no CPU platform (its fallback ``PlatformCUDA.current_device()`` calls
+``torch.cuda.current_device()``), so a CPU platform is registered with verl's ``set_platform``;
+verl's default ``flash_attention_2`` is replaced by sdpa through verl's ``override_config``.
 
 Claims: on 2 ranks with uneven local batches of GRPO groups (siblings sharing prompts, some
 sharing a response prefix), with gradient checkpointing on (the backward re-runs each layer with
@@ -32,7 +23,8 @@ float32, while the tree rows compute fewer tokens.
 
 from __future__ import annotations
 
-import types
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -47,90 +39,22 @@ import microplan as mp  # noqa: E402
 import microplan.integrations.verl as mpv  # noqa: E402
 from _gloo import RankError, run_gloo  # noqa: E402
 
-P, R = 24, 14  # prompt / response widths of verl's left-right padded batch
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: ``benchmarks``
+from benchmarks._verl_engine import actor_engine, cpu_platform, grpo_batch, params  # noqa: E402
+
 TEMPERATURE = 0.7
 
 
-def _groups(rank: int) -> list[tuple[int, int]]:
-    """(prompt length, responses) of each GRPO group on ``rank``: uneven counts and lengths."""
-    return [(20, 4), (11, 3), (16, 2)] if rank == 0 else [(23, 5), (9, 3)]
+#: each rank's GRPO groups: (prompt length, response lengths); uneven counts and lengths
+GROUPS = [[(20, [9, 14, 5, 11]), (11, [4, 12, 7]), (16, [13, 6])], [(23, [8, 5, 14, 10, 6]), (9, [12, 4, 9])]]
+MAX_TOKEN_LEN = 80
 
 
 def _batch(rank: int, *, update: bool):
     """verl's actor batch for ``rank`` (left-right padded → ``left_right_2_no_padding``)."""
-    from tensordict import TensorDict
-    from verl.utils import tensordict_utils as tu
-    from verl.workers.utils.padding import left_right_2_no_padding
-    g = torch.Generator().manual_seed(100 + rank)
-    ids, am, resp, rmask = [], [], [], []
-    for plen, n in _groups(rank):
-        prompt = torch.randint(0, 32, (plen,), generator=g)
-        first = None
-        for j in range(n):
-            rl = int(torch.randint(4, R + 1, (1,), generator=g))
-            r = torch.randint(0, 32, (rl,), generator=g)
-            if j == 1 and first is not None:  # a response prefix shared with its sibling
-                k = min(3, rl, first.numel())
-                r[:k] = first[:k]
-            first = r if j == 0 else first
-            row, mask = torch.zeros(P + R, dtype=torch.long), torch.zeros(P + R, dtype=torch.long)
-            row[P - plen:P], row[P:P + rl], mask[P - plen:P + rl] = prompt, r, 1
-            ids.append(row), am.append(mask)
-            resp.append(row[P:].clone()), rmask.append((torch.arange(R) < rl).float())
-    ids, am = torch.stack(ids), torch.stack(am)
-    B = ids.shape[0]
-    data = {"input_ids": ids, "attention_mask": am, "position_ids": (am.cumsum(1) - 1).clamp(min=0),
-            "prompts": ids[:, :P].clone(), "responses": torch.stack(resp), "response_mask": torch.stack(rmask)}
-    if update:
-        data["old_log_probs"] = -2.0 + 0.5 * torch.randn(B, R, generator=g)
-        data["advantages"] = torch.randn(B, 1, generator=g).expand(B, R).clone()
-    td = left_right_2_no_padding(TensorDict(data, batch_size=[B]))
-    tu.assign_non_tensor(td, use_remove_padding=True, use_dynamic_bsz=True, max_token_len_per_gpu=80,
-                         temperature=TEMPERATURE, calculate_entropy=True, use_fused_kernels=False,
-                         global_batch_size=10 + 8)
-    return td
-
-
-def _cpu_platform() -> None:
-    """A CPU platform for verl (module note): device "cpu", no device memory statistics."""
-    import verl.models.transformers.monkey_patch as vmp
-    from verl.plugin.platform.platform_cuda import PlatformCUDA
-    from verl.plugin.platform.platform_manager import set_platform
-    zero = lambda *a, **k: 0  # noqa: E731
-    device = types.SimpleNamespace(mem_get_info=lambda *a: (0, 0), memory_allocated=zero, memory_reserved=zero,
-                                   max_memory_allocated=zero, max_memory_reserved=zero, synchronize=zero,
-                                   empty_cache=zero, reset_peak_memory_stats=zero, manual_seed=zero,
-                                   current_device=lambda: "cpu", is_available=lambda: False, device_count=lambda: 1)
-
-    class CPUPlatform(PlatformCUDA):
-        device_name = property(lambda self: "cpu")
-        device_module = property(lambda self: device)
-
-        def current_device(self) -> str:
-            return "cpu"
-    set_platform(CPUPlatform())
-    vmp.is_trl_available = lambda: False  # the installed TRL lacks the value-head class verl's patch imports
-
-
-def _engine(path: str):
-    """verl's actor engine as a verl worker builds it: FSDP2, float32, gradient checkpointing, SGD."""
-    from verl.trainer.config import CheckpointConfig
-    from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
-    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead
-    model = HFModelConfig(path=path, load_tokenizer=False, use_remove_padding=True, enable_gradient_checkpointing=True,
-                          override_config={"attn_implementation": "sdpa"})
-    fp32 = {"param_dtype": "fp32", "reduce_dtype": "fp32", "buffer_dtype": "fp32"}
-    engine = FSDPEngineConfig(strategy="fsdp2", use_torch_compile=False, model_dtype="fp32", mixed_precision=fp32)
-    optim = FSDPOptimizerConfig(optimizer="SGD", optimizer_impl="torch.optim", lr=1.0, weight_decay=0.0,
-                                clip_grad=1e9, total_training_steps=1)
-    eng = FSDPEngineWithLMHead(model, engine, optim, CheckpointConfig())
-    eng.initialize()
-    return eng
-
-
-def _params(eng) -> torch.Tensor:
-    return torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().flatten().clone()
-                      for p in eng.module.parameters()])
+    return grpo_batch(GROUPS[rank], vocab=32, seed=100 + rank, update=update, max_token_len=MAX_TOKEN_LEN,
+                      temperature=TEMPERATURE, shared_response_prefix=3,
+                      global_batch_size=sum(len(r) for g in GROUPS for _, r in g))
 
 
 def _pass(path: str, share: bool | None) -> dict:
@@ -143,15 +67,15 @@ def _pass(path: str, share: bool | None) -> dict:
     if share is not None:
         mpv.install(share_prefixes=share)  # the documented setup: metered, the cost from the engine's model
     try:
-        eng = _engine(path)
-        before = _params(eng)
+        eng = actor_engine(path)
+        before = params(eng)
         with eng.eval_mode():
             lp = eng.infer_batch(_batch(rank, update=False))["model_output"]
         cfg = FSDPActorConfig(strategy="fsdp", ppo_mini_batch_size=4, use_dynamic_bsz=True,
-                              ppo_max_token_len_per_gpu=80, rollout_n=1, entropy_coeff=0.01)
+                              ppo_max_token_len_per_gpu=MAX_TOKEN_LEN, rollout_n=1, entropy_coeff=0.01)
         with eng.train_mode():
             out = eng.train_batch(_batch(rank, update=True), partial(ppo_loss, cfg))
-        delta = (_params(eng) - before).numpy()
+        delta = (params(eng) - before).numpy()
         counts = mpv.token_counts()
         attention = eng.module.config._attn_implementation  # the model's own is back after each loop
         from microplan.integrations._verl_meter import STATE as METER
@@ -166,7 +90,7 @@ def _pass(path: str, share: bool | None) -> dict:
 
 
 def _worker(rank: int, world: int, path: str) -> dict:
-    _cpu_platform()
+    cpu_platform()
     return {name: _pass(path, share) for name, share in (("verl", None), ("unshared", False), ("shared", True))}
 
 
@@ -242,8 +166,8 @@ def _micro(temperature):
 def _step_worker(rank: int, world: int, path: str) -> dict:
     """verl's ``forward_step`` on one micro-batch per temperature kind: verl's packed row, then the tree row."""
     from microplan.integrations import _verl_tree
-    _cpu_platform()
-    eng = _engine(path)
+    cpu_platform()
+    eng = actor_engine(path)
     out = {}
     for kind in (1.0, TEMPERATURE, "per-sample"):
         with eng.eval_mode(), torch.no_grad():
@@ -339,8 +263,8 @@ def _plan_worker(rank: int, world: int) -> dict:
     off = ids.offsets().tolist()
     tokens = [ids.values()[a:b] for a, b in zip(off[:-1], off[1:])]
     lens = [t.numel() for t in tokens]
-    flat = mpv.plan_micro_batches(lens, 80, dp_group=dist.group.WORLD)
-    tree = mpv.plan_micro_batches(lens, 80, dp_group=dist.group.WORLD, token_ids=tokens)
+    flat = mpv.plan_micro_batches(lens, MAX_TOKEN_LEN, dp_group=dist.group.WORLD)
+    tree = mpv.plan_micro_batches(lens, MAX_TOKEN_LEN, dp_group=dist.group.WORLD, token_ids=tokens)
     micros = tree.plan.steps[0].micros[rank]
     return {"flat": flat.index_lists, "tree": tree.index_lists, "n": len(lens),
             "unique": [int(m.num_tokens) for m in micros if not m.is_placeholder],
@@ -357,7 +281,7 @@ def test_the_plan_caps_unique_tokens_and_keeps_samples_home_on_gloo_ranks():
     assert len({len(o["tree"]) for o in out}) == 1
     for o in out:
         assert sorted(i for idx in o["tree"] for i in idx) == list(range(o["n"]))
-        assert all(o["home"]) and max(o["unique"]) <= 80
+        assert all(o["home"]) and max(o["unique"]) <= MAX_TOKEN_LEN
     assert len(out[0]["tree"]) < len(out[0]["flat"]), out
 
 

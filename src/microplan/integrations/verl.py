@@ -290,6 +290,11 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     _SETTINGS.update(short_step=short_step, share=share_prefixes)
     _verl_tree.STATE["share"] = share_prefixes
     _verl_tree.reset_counts()
+    if share_prefixes:  # wrap the engine now, so its first loop already plans tries (else: at its first balancing)
+        try:
+            import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
+        except ImportError:  # peft / accelerate / datasets missing: no engine in this process (a driver)
+            pass
     if _PATCHED:
         _wrap_engines()
         return
