@@ -128,14 +128,14 @@ def main() -> None:
     print(f"verl FSDPEngineWithLMHead (FSDP2, 1 gloo rank, CPU {torch.get_num_threads()} threads), Llama {layers} layers "
           f"hidden 128 float32; 2 prompts x n=8: prompts {[p for p, _ in groups]}, responses {groups[0][1][:3]}...; "
           f"max_token_len {cap}")
-    print(f"{'path':26s} {'log-prob s':>10s} {'update s':>9s} {'micro-batches':>14s} {'tokens computed':>16s}")
+    print(f"{'path':26s} {'log-prob s':>10s} {'update s':>9s} {'micro-batches':>14s} {'tokens (2 passes)':>18s}")
     for name, runs in rows.items():
         t = {"logp_s": min(r["logp_s"] for r in runs), "update_s": min(r["update_s"] for r in runs),
              "micro_batches": runs[0]["micro_batches"], "tokens_computed": runs[0]["computed"],
              "tokens_unshared": runs[0]["tokens"]}
         table[name] = t
         print(f"{name:26s} {t['logp_s']:10.2f} {t['update_s']:9.2f} {str(t['micro_batches']):>14s} "
-              f"{t['tokens_computed']:>16,}")
+              f"{t['tokens_computed']:>18,}")
     speed = {k: table["verl 0.9.1"][k] / table["microplan share_prefixes"][k] for k in ("logp_s", "update_s")}
     print(f"speed-up: log-prob pass {speed['logp_s']:.2f}x, update {speed['update_s']:.2f}x; relative difference to "
           f"verl (float32): log-probs {rel_lp:.1e}, update {rel_up:.1e}")
