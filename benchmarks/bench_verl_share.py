@@ -16,7 +16,8 @@ understates the tokens saved. Reported: seconds
 per pass, micro-batches, tokens computed (tries vs Σ sample lengths) and the relative
 difference of the log-probs and of the update to verl's (float32).
 
-    python -m benchmarks.bench_verl_share [--quick] [--no-write]   # writes benchmarks/results/verl-share-<date>-<host>.json
+    python -m benchmarks.bench_verl_share [--quick] [--no-write]
+    # writes benchmarks/results/verl-share-<date>-<host>.json
 """
 
 from __future__ import annotations
@@ -125,9 +126,9 @@ def main() -> None:
     rel_lp = float(np.linalg.norm(ours["log_probs"] - base["log_probs"]) / np.linalg.norm(base["log_probs"]))
     rel_up = float(np.linalg.norm(ours["delta"] - base["delta"]) / np.linalg.norm(base["delta"]))
     table = {}
-    print(f"verl FSDPEngineWithLMHead (FSDP2, 1 gloo rank, CPU {torch.get_num_threads()} threads), Llama {layers} layers "
-          f"hidden 128 float32; 2 prompts x n=8: prompts {[p for p, _ in groups]}, responses {groups[0][1][:3]}...; "
-          f"max_token_len {cap}")
+    print(f"verl FSDPEngineWithLMHead (FSDP2, 1 gloo rank, CPU {torch.get_num_threads()} threads), "
+          f"Llama {layers} layers hidden 128 float32; 2 prompts x n=8: prompts {[p for p, _ in groups]}, "
+          f"responses {groups[0][1][:3]}...; max_token_len {cap}")
     print(f"{'path':26s} {'log-prob s':>10s} {'update s':>9s} {'micro-batches':>14s} {'tokens (2 passes)':>18s}")
     for name, runs in rows.items():
         t = {"logp_s": min(r["logp_s"] for r in runs), "update_s": min(r["update_s"] for r in runs),

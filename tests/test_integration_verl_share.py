@@ -180,7 +180,8 @@ def _step_worker(rank: int, world: int, path: str) -> dict:
                 mpv.uninstall()
         out[str(kind)] = {"counts": tuple(counts), "restored": _verl_tree.STATE["restore"] is None,
                           **{f"{w}/{k}": [t.numpy().copy() for t in d[k].unbind()]
-                             for w, d in (("got", got), ("want", want)) for k in ("log_probs", "entropy", "sum_pi_squared")}}
+                             for w, d in (("got", got), ("want", want))
+                             for k in ("log_probs", "entropy", "sum_pi_squared")}}
     # one sample per group: nothing shared, so verl's own row runs (bit for bit, uncounted)
     from verl.utils import tensordict_utils as tu
     alone = lambda: tu.index_select_tensor_dict(_micro(1.0), torch.tensor([0, 4, 7]))  # noqa: E731

@@ -94,6 +94,7 @@ def wrap_lm_engine(cls: Any) -> None:
     if any(c is cls for c, _, _ in _WRAPPED):
         return
     step, inputs, outputs = cls.forward_step, cls.prepare_model_inputs, cls.prepare_model_outputs
+
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         before = STATE["engine"]  # verl's loop is the base class's (looked up per call: the meter may wrap it)
         STATE["engine"] = self if _shares(self, cls) else None
@@ -121,7 +122,8 @@ def wrap_lm_engine(cls: Any) -> None:
             return inputs(self, micro_batch)
         return tree_inputs(packed, micro_batch)
 
-    def prepare_model_outputs(self: Any, output: Any, output_args: Any, micro_batch: Any, logits_processor_func: Any) -> Any:
+    def prepare_model_outputs(self: Any, output: Any, output_args: Any, micro_batch: Any,
+                              logits_processor_func: Any) -> Any:  # verl passes every argument by keyword
         if _KEY not in output_args:
             return outputs(self, output, output_args, micro_batch, logits_processor_func)
         return tree_outputs(self, output, output_args, micro_batch)
@@ -145,7 +147,8 @@ def unwrap() -> None:
 
 def _shares(engine: Any, cls: Any) -> bool:
     """The LM-head engine itself (a value head scores differently) without Ulysses SP."""
-    return type(engine).prepare_model_outputs is cls.prepare_model_outputs and not getattr(engine, "use_ulysses_sp", False)
+    lm_head = type(engine).prepare_model_outputs is cls.prepare_model_outputs
+    return lm_head and not getattr(engine, "use_ulysses_sp", False)
 
 
 # -- the tree row ----------------------------------------------------------------------------------
@@ -213,7 +216,8 @@ def tree_outputs(engine: Any, output: Any, output_args: dict[str, Any], micro_ba
     t_u = temps.to(torch.float32)[uniq % temps.numel()]
     pair_rows = uniq // temps.numel() // V
     pair_labels = uniq // temps.numel() % V
-    scored = _scale_logits_by_temperature(logits.index_select(0, pair_rows), t_u.unsqueeze(-1), is_unit_temperature=unit)
+    scored = _scale_logits_by_temperature(logits.index_select(0, pair_rows), t_u.unsqueeze(-1),
+                                          is_unit_temperature=unit)
     cu = ids.offsets()
     out: dict[str, Any] = {}
     entropy = get("calculate_entropy")

@@ -46,6 +46,7 @@ FLOPs (verl itself: 1.031; benchmarks/bench_verl.py).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -292,7 +293,7 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     _verl_tree.reset_counts()
     if share_prefixes:  # wrap the engine now, so its first loop already plans tries (else: at its first balancing)
         try:
-            import verl.workers.engine.fsdp.transformer_impl  # noqa: F401
+            importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
         except ImportError:  # peft / accelerate / datasets missing: no engine in this process (a driver)
             pass
     if _PATCHED:
