@@ -33,7 +33,7 @@ With ``install(share_prefixes=True)``, inside verl's actor engine loop the plan 
 ``share_prefixes=True`` from each rank's token ids (prefixes found on the rank, one extra
 all-gather), so ``max_token_len`` caps the unique tokens of each micro-batch's prefix trie, and
 ``_verl_tree`` runs the engine's forward on those tries (each shared prompt once per micro-batch;
-log-probs and update equal to verl's own within 1e-6 in float32, tests/test_integration_verl_share.py).
+log-probs and update equal to verl's own within 1e-5 in float32, tests/test_integration_verl_share.py).
 
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
