@@ -358,7 +358,7 @@ def test_install_balances_with_the_trained_models_cost():
         with pytest.raises(mp.PlanError, match="hidden_size"):
             mpv.install(hf_config={**cfg, "hidden_size": "big"})
         with pytest.raises(mp.PlanError, match="share_prefixes"):
-            mpv.install(share_prefixes=True)  # the seam for prefix-tree micro-batches, not yet open
+            mpv.install(share_prefixes="yes")  # True or False (True: tests/test_integration_verl_share.py)
     finally:
         mpv.uninstall()
 

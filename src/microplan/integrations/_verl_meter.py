@@ -101,9 +101,13 @@ def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
             marks.append(time.perf_counter())
 
     def timed_step(micro_batch: Any, *args: Any, **kwargs: Any) -> Any:
+        from ._verl_tree import STATE as TREE
         mark()
-        lens.append(_effective_lengths(micro_batch))
-        return step(micro_batch, *args, **kwargs)
+        n = TREE["micro_batches"]
+        out = step(micro_batch, *args, **kwargs)
+        # a prefix-tree micro-batch's time is not a function of its samples' lengths: not recorded
+        lens.append(_effective_lengths(micro_batch) if TREE["micro_batches"] == n else None)
+        return out
     engine.forward_step = timed_step
     try:
         out = original(engine, data, loss_function, forward_only=False)
@@ -115,7 +119,7 @@ def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
         seconds = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(len(marks) - 1)]
     else:
         seconds = [marks[i + 1] - marks[i] for i in range(len(marks) - 1)]
-    ranks = _gather(engine, [(ln.tolist(), s) for ln, s in zip(lens, seconds)])
+    ranks = _gather(engine, [(None if ln is None else ln.tolist(), s) for ln, s in zip(lens, seconds)])
     _record(ranks, planned, out)
     return out
 
@@ -135,8 +139,12 @@ def _record(ranks: list[list], planned: CostModel, out: Any) -> None:
     """Record every rank's micro-batches (same order on every rank); report predicted vs measured."""
     meter: CostMeter = STATE["meter"]
     calibrated = bool(meter.num_records)
+    if any(e[0] is None for r in ranks for e in r):  # prefix trees ran (see timed_step): no prediction to compare
+        calibrated = False
+        ranks = [[(e[0] if e[0] is not None else [], e[1]) for e in r] for r in ranks]
     K = max(len(r) for r in ranks)
-    pred = sum(max((planned.micro_cost(np.asarray(r[m][0])) if m < len(r) else 0.0) for r in ranks) for m in range(K))
+    pred = sum(max((planned.micro_cost(np.asarray(r[m][0])) if m < len(r) else 0.0) for r in ranks)
+               for m in range(K)) if calibrated else 0.0
     meas = sum(max((r[m][1] if m < len(r) else 0.0) for r in ranks) for m in range(K))
     for r in ranks:
         for seq_lens, seconds in r:

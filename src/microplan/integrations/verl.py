@@ -29,6 +29,12 @@ lists; ``restore_dynamic_batch`` still restores the order) — with padded input
 (nested) input cannot hold an empty micro-batch, so there every rank raises the same PlanError
 (the plan is the same everywhere) before any micro-batch is built.
 
+With ``install(share_prefixes=True)``, inside verl's actor engine loop the plan is made with
+``share_prefixes=True`` from each rank's token ids (prefixes found on the rank, one extra
+all-gather), so ``max_token_len`` caps the unique tokens of each micro-batch's prefix trie, and
+``_verl_tree`` runs the engine's forward on those tries (each shared prompt once per micro-batch;
+log-probs and update equal to verl's own within 1e-5 in float32, tests/test_integration_verl_share.py).
+
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
 lists that are a permutation of the local batch. Balance uses verl's own workload model
@@ -40,6 +46,7 @@ FLOPs (verl itself: 1.031; benchmarks/bench_verl.py).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -53,11 +60,13 @@ from ..plan import Plan
 from ..planner import build_plan
 from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
+from . import _verl_tree
 from ._verl_meter import current_cost, reset, unwrap_engines, wrap_engine
+from ._verl_tree import TokenCounts, token_counts
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
            "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
-           "VERL_LOSS_MODES", "install", "uninstall", "installed", "INSTALL_HINT"]
+           "VERL_LOSS_MODES", "install", "uninstall", "installed", "INSTALL_HINT", "token_counts", "TokenCounts"]
 
 INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.9.1 (verl pins transformers < 5.11: "
                 "keep --no-deps so torch and transformers stay)")
@@ -65,7 +74,7 @@ INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
 #: micro-batch looks free and the K search would split steps for nothing.
 VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
-_SETTINGS: dict[str, Any] = {"short_step": "error"}
+_SETTINGS: dict[str, Any] = {"short_step": "error", "share": False}
 _PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
 _NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
           "restore_dynamic_batch")
@@ -127,11 +136,15 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
                        num_batches_divided_by: int | None = None, same_micro_num_in_dp: bool = True,
                        min_num_micro_batch: int | None = None, use_dynamic_bsz_balance: bool = True,
                        force_group_size: int = 1, cost: CostModel | None = None,
-                       short_step: str | None = None) -> VerlLayout:
+                       short_step: str | None = None, token_ids: Sequence[Any] | None = None) -> VerlLayout:
     """The plan behind :func:`rearrange_micro_batches`, from this rank's effective lengths alone.
 
     Collective over ``dp_group`` when ``torch.distributed`` is initialised, ``same_micro_num_in_dp``
-    and a group is given (as in verl); every rank of the group must call it.
+    and a group is given (as in verl); every rank of the group must call it. ``token_ids`` (each
+    local sample's tokens; ``force_group_size=1`` only) plans with ``share_prefixes=True``: the
+    samples that share a prefix on this rank are found from them, and ``max_token_len`` caps the
+    unique tokens of each micro-batch (what a prefix-tree forward computes). Every rank of the
+    group must pass them, or none.
     """
     lens = np.asarray(_as_list(seq_lens), dtype=np.int64)
     g = int(force_group_size)
@@ -142,17 +155,26 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
     if short not in ("error", "pad"):
         raise PlanError(f"short_step={short!r}: the verl drop-in supports 'error' (verl 0.9.1's behaviour: refuse) "
                         "or 'pad' (explicit empty micro-batches); 'drop' would lose samples verl restores.")
+    share = token_ids is not None
+    if share and (g != 1 or len(token_ids) != lens.size):
+        raise PlanError(f"plan_micro_batches(token_ids=...) needs force_group_size=1 (got {g}) and one token list per "
+                        f"sample ({len(token_ids)} lists for {lens.size} samples); leave token_ids out otherwise.")
     config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
-                  short_step=short, cost=cost if cost is not None else current_cost(), placement="local")
+                  short_step=short, cost=cost if cost is not None else current_cost(), placement="local",
+                  share_prefixes=share)
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
+    prefixes = _local_prefixes(token_ids, units_min1) if share else None
     if _synced(dp_group, same_micro_num_in_dp):
         from ..torch.distributed import local_view, plan_distributed
         view = local_view({"seq_lens": units_min1}, group=dp_group)
+        if prefixes is not None:
+            view = _with_prefixes(view, prefixes, dp_group)
         plan = plan_distributed(view, PlanConfig(dp_size=view.world_size, **config), group=dp_group,
                                 min_micro_count=min_num_micro_batch)
         rank, offset = view.rank, view.offset
     else:
-        plan = build_plan(Batch(units_min1, rank_of=np.zeros(units.size, dtype=np.int64)),
+        pre = {} if prefixes is None else dict(prefix_parent=prefixes[0], shared_prefix_lens=prefixes[1])
+        plan = build_plan(Batch(units_min1, rank_of=np.zeros(units.size, dtype=np.int64), **pre),
                           PlanConfig(dp_size=1, **config), min_micro_count=min_num_micro_batch)
         rank, offset = 0, 0
     if not plan.steps:
@@ -175,7 +197,8 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     layout = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group=dp_group,
                                 num_batches_divided_by=num_batches_divided_by,
                                 same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
-                                use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size)
+                                use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size,
+                                token_ids=_sharing_tokens(batch, force_group_size))
     _refuse_jagged_placeholders(batch, layout)
     micros = [tu.index_select_tensor_dict(batch, torch.tensor(idx, dtype=torch.long)) for idx in layout.index_lists]
     return micros, layout.index_lists
@@ -243,8 +266,10 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     ``hf_config`` (a dict or a transformers config; in a worker, verl's engine's own config),
     then the machine's seconds learned online (``meter``; see ``_verl_meter``).
     ``short_step``: ``"error"`` (default) or ``"pad"`` (see the module note).
-    ``share_prefixes``: reserved for prefix-tree micro-batches in verl's engine (needs
-    ``share_prefixes`` × ``placement="local"`` in the planner); True is refused for now.
+    ``share_prefixes``: True runs verl's actor forward (log-prob and update passes of
+    ``FSDPEngineWithLMHead``) on prefix-tree micro-batches — each shared prompt and response
+    prefix once per micro-batch — planned with ``share_prefixes`` × ``placement="local"``; see
+    ``_verl_tree`` for what runs as a tree and what keeps verl's own forward.
     """
     try:
         import verl.utils.seqlen_balancing as sb
@@ -252,9 +277,8 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
         raise ImportError(f"microplan.integrations.verl.install() needs verl: {INSTALL_HINT}") from exc
     if short_step not in ("error", "pad"):
         raise PlanError(f"install(short_step={short_step!r}) must be 'error' or 'pad'.")
-    if share_prefixes is not False:  # the seam: plan_micro_batches' PlanConfig gets share_prefixes=True
-        raise PlanError(f"install(share_prefixes={share_prefixes!r}): prefix-tree micro-batches in verl's engine are "
-                        "not available yet (they need shared prefixes with local placement); leave it False.")
+    if not isinstance(share_prefixes, bool):
+        raise PlanError(f"install(share_prefixes={share_prefixes!r}) must be True or False.")
     if cost is not None and not isinstance(cost, CostModel):
         raise PlanError(f"install(cost={cost!r}) must be a microplan cost model, e.g. FlopsCost.from_hf_config(...).")
     try:
@@ -264,7 +288,14 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise PlanError(f"install(hf_config=...) could not read the model's shape: {exc}; pass a transformers "
                         "config or its dict (hidden_size, num_hidden_layers, num_attention_heads, ...).") from None
-    _SETTINGS.update(short_step=short_step)
+    _SETTINGS.update(short_step=short_step, share=share_prefixes)
+    _verl_tree.STATE["share"] = share_prefixes
+    _verl_tree.reset_counts()
+    if share_prefixes:  # wrap the engine now, so its first loop already plans tries (else: at its first balancing)
+        try:
+            importlib.import_module("verl.workers.engine.fsdp.transformer_impl")
+        except ImportError:  # peft / accelerate / datasets missing: no engine in this process (a driver)
+            pass
     if _PATCHED:
         _wrap_engines()
         return
@@ -284,8 +315,9 @@ def uninstall() -> None:
         mod, name, original = _PATCHED.pop()
         setattr(mod, name, original)
     unwrap_engines()
+    _verl_tree.unwrap()
     reset()
-    _SETTINGS.update(short_step="error")
+    _SETTINGS.update(short_step="error", share=False)
 
 
 def installed() -> bool:
@@ -299,6 +331,8 @@ def _wrap_engines() -> None:
     engine = sys.modules.get("verl.workers.engine.fsdp.transformer_impl")
     if _PATCHED and engine is not None and hasattr(engine, "FSDPEngine"):
         wrap_engine(engine.FSDPEngine)
+    if _PATCHED and _SETTINGS["share"] and engine is not None and hasattr(engine, "FSDPEngineWithLMHead"):
+        _verl_tree.wrap_lm_engine(engine.FSDPEngineWithLMHead)
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -316,6 +350,45 @@ def _effective_lengths(batch: Any) -> np.ndarray:
     if getattr(ids, "is_nested", False):
         return ids.offsets().diff().cpu().numpy().astype(np.int64)
     return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
+
+
+def _sharing_tokens(batch: Any, force_group_size: int) -> list[Any] | None:
+    """Each sample's tokens when this balancing call plans prefix-tree micro-batches: inside a
+    sharing engine's loop (``_verl_tree.sharing_engine``) on jagged input it can run as trees,
+    with ``force_group_size=1``. Decided from the engine and the batch's settings only, the same
+    on every rank (it decides the prefix gather, a collective)."""
+    if not _SETTINGS["share"] or _verl_tree.sharing_engine() is None or int(force_group_size) != 1:
+        return None
+    if not _verl_tree.eligible(batch, positions=False):
+        return None
+    ids = batch["input_ids"]
+    offsets = ids.offsets().cpu().tolist()
+    flat = ids.values().cpu()
+    return [flat[a:b] for a, b in zip(offsets[:-1], offsets[1:])]
+
+
+def _local_prefixes(token_ids: Sequence[Any], lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """This rank's ``(prefix_parent, shared_prefix_lens)`` in local indices (a parent is an earlier local sample)."""
+    from ..prefix import find_shared_prefixes
+    parent, shared = find_shared_prefixes(token_ids)
+    return parent, np.minimum(shared, lens)
+
+
+def _with_prefixes(view: Any, prefixes: tuple[np.ndarray, np.ndarray], group: Any) -> Any:
+    """``view`` whose global batch carries every rank's shared prefixes (one all-gather: parents
+    become global indices; samples share only within their rank, where they stay)."""
+    import torch
+
+    from ..torch._comm import all_gather_padded, comm_device
+    from ..torch.gather import LocalView
+    parent, shared = prefixes
+    glob = np.where(parent >= 0, parent + view.offset, -1)
+    mine = torch.from_numpy(np.concatenate([glob, shared]).astype(np.int64))
+    got = all_gather_padded(mine.to(comm_device(group)), [2 * n for n in view.counts], group)
+    cols = [g.cpu().numpy().reshape(2, -1) for g in got]
+    both = np.concatenate(cols, axis=1) if cols else np.zeros((2, 0), dtype=np.int64)
+    batch = Batch(view.batch.seq_lens, prefix_parent=both[0], shared_prefix_lens=both[1])
+    return LocalView(batch, view.rank, view.counts)
 
 
 def _as_list(values: Any) -> list:
