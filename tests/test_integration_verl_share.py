@@ -291,3 +291,13 @@ def test_token_ids_need_one_list_per_sample_and_no_groups():
         mpv.plan_micro_batches([4, 4], 16, force_group_size=2, token_ids=[[1, 2, 3, 4], [1, 2, 3, 5]])
     with pytest.raises(mp.PlanError, match="one token list per sample"):
         mpv.plan_micro_batches([4, 4], 16, token_ids=[[1, 2, 3, 4]])
+
+
+def test_a_rank_whose_rows_run_flat_plans_no_sharing():
+    """A rank whose micro-batches will run verl's flat forward (e.g. position ids not 0..L-1) must
+    be planned with every token counted: a tree-sized micro-batch run flat would break max_token_len."""
+    toks = [[1, 2, 3, 4, 5, 6, 7, k] for k in range(8)]          # 8 samples sharing a 7-token prompt
+    shared = mpv.plan_micro_batches([8] * 8, 16, token_ids=toks)
+    flat = mpv.plan_micro_batches([8] * 8, 16, token_ids=toks, share_local=False)
+    assert len(shared.index_lists) < len(flat.index_lists)
+    assert all(len(ix) * 8 <= 16 for ix in flat.index_lists)   # each flat micro-batch within the cap

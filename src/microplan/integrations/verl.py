@@ -136,7 +136,8 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
                        num_batches_divided_by: int | None = None, same_micro_num_in_dp: bool = True,
                        min_num_micro_batch: int | None = None, use_dynamic_bsz_balance: bool = True,
                        force_group_size: int = 1, cost: CostModel | None = None,
-                       short_step: str | None = None, token_ids: Sequence[Any] | None = None) -> VerlLayout:
+                       short_step: str | None = None, token_ids: Sequence[Any] | None = None,
+                       share_local: bool = True) -> VerlLayout:
     """The plan behind :func:`rearrange_micro_batches`, from this rank's effective lengths alone.
 
     Collective over ``dp_group`` when ``torch.distributed`` is initialised, ``same_micro_num_in_dp``
@@ -144,7 +145,8 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
     local sample's tokens; ``force_group_size=1`` only) plans with ``share_prefixes=True``: the
     samples that share a prefix on this rank are found from them, and ``max_token_len`` caps the
     unique tokens of each micro-batch (what a prefix-tree forward computes). Every rank of the
-    group must pass them, or none.
+    group must pass them, or none. ``share_local=False``: this rank's micro-batches will run
+    flat (its data cannot take the tree path), so none of its samples is planned as shared.
     """
     lens = np.asarray(_as_list(seq_lens), dtype=np.int64)
     g = int(force_group_size)
@@ -163,7 +165,10 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
                   short_step=short, cost=cost if cost is not None else current_cost(), placement="local",
                   share_prefixes=share)
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
-    prefixes = _local_prefixes(token_ids, units_min1) if share else None
+    prefixes = None
+    if share:  # a rank whose rows will run flat plans no sharing (its cap must count every token)
+        prefixes = _local_prefixes(token_ids, units_min1) if share_local else \
+            (np.full(units.size, -1, dtype=np.int64), np.zeros(units.size, dtype=np.int64))
     if _synced(dp_group, same_micro_num_in_dp):
         from ..torch.distributed import local_view, plan_distributed
         view = local_view({"seq_lens": units_min1}, group=dp_group)
@@ -194,11 +199,13 @@ def rearrange_micro_batches(batch: Any, max_token_len: int, dp_group: Any = None
     import torch
     from verl.utils import tensordict_utils as tu
     _wrap_engines()
+    tokens = _sharing_tokens(batch, force_group_size)
     layout = plan_micro_batches(_effective_lengths(batch), max_token_len, dp_group=dp_group,
                                 num_batches_divided_by=num_batches_divided_by,
                                 same_micro_num_in_dp=same_micro_num_in_dp, min_num_micro_batch=min_num_micro_batch,
                                 use_dynamic_bsz_balance=use_dynamic_bsz_balance, force_group_size=force_group_size,
-                                token_ids=_sharing_tokens(batch, force_group_size))
+                                token_ids=tokens,
+                                share_local=tokens is None or _verl_tree.eligible(batch))  # positions 0..L-1 here
     _refuse_jagged_placeholders(batch, layout)
     micros = [tu.index_select_tensor_dict(batch, torch.tensor(idx, dtype=torch.long)) for idx in layout.index_lists]
     return micros, layout.index_lists
