@@ -24,14 +24,17 @@ from microplan.torch import pack_micro  # noqa: E402
 @settings(max_examples=40)  # each example packs and shards every micro-batch with torch
 @given(seed=st.integers(0, 2**31), n=st.integers(1, 40), c=st.sampled_from([2, 4]), dp=st.sampled_from([1, 2, 3]),
        cap=st.integers(24, 90), p_link=st.sampled_from([0.5, 0.9]), row=st.sampled_from([1, 1, 4]),
-       mult=st.sampled_from([1, 1, 2]), dynamic=st.booleans())
-def test_every_gpu_of_a_tree_row_stays_under_the_cap_counting_halos(seed, n, c, dp, cap, p_link, row, mult, dynamic):
+       mult=st.sampled_from([1, 1, 2]), dynamic=st.booleans(), share=st.sampled_from([True, True, False]))
+def test_every_gpu_of_a_cp_row_stays_under_the_cap_counting_halos(seed, n, c, dp, cap, p_link, row, mult, dynamic,
+                                                                   share):
+    """Tree rows (share_prefixes) and flat rows under fixed and dynamic CP: every member's
+    ``cp_shard`` (owned + halo rows, what its GPU runs) is within the cap."""
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 60, size=n)
     toks, parent, shared = realise(rng, lens, p_link=p_link)
-    b = mp.Batch(lens, prefix_parent=parent, shared_prefix_lens=shared)
+    b = mp.Batch(lens, prefix_parent=parent, shared_prefix_lens=shared) if share else mp.Batch(lens)
     cp = mp.ContextParallel(max_size=c) if dynamic else mp.ContextParallel(size=c)
-    cfg = mp.PlanConfig(dp_size=dp * c if dynamic else dp, max_tokens_per_micro=cap, share_prefixes=True,
+    cfg = mp.PlanConfig(dp_size=dp * c if dynamic else dp, max_tokens_per_micro=cap, share_prefixes=share,
                         short_step="pad", context_parallel=cp, pad_row_to_multiple_of=row, pad_to_multiple_of=mult)
     try:
         plan = mp.plan(b, cfg)
@@ -39,9 +42,10 @@ def test_every_gpu_of_a_tree_row_stays_under_the_cap_counting_halos(seed, n, c, 
         from microplan.prefix import micro_tree
         need = []
         for i in range(n):
-            t = micro_tree(parent, shared, lens, np.array([i]))
+            t = micro_tree(parent if share else np.full(n, -1), shared if share else np.zeros(n, dtype=np.int64),
+                           lens, np.array([i]))
             U = int((-(-(t.end - t.start) // mult) * mult).sum())
-            need.append(gpu_tokens(-(-U // row) * row, t.start.size + (row > 1), c))
+            need.append(gpu_tokens(-(-U // row) * row, t.start.size + (row > 1), c) + (row - 1) // c + 1)
         assert max(need) > cap, exc
         return
     plan.validate()
@@ -58,13 +62,13 @@ def test_every_gpu_of_a_tree_row_stays_under_the_cap_counting_halos(seed, n, c, 
                     held = p.cp_shard(q, cp_size=w).num_tokens  # owned + halo rows this GPU runs
                     worst = max(worst, held)
                     assert held <= cap, (step.index, r, q, held, cap)
-                if micro.tree is not None and w > 1:  # the planner's bound covers the real shard
-                    segs = micro.tree.start.size + (row > 1)
+                if micro.indices.size and w > 1:  # the planner's bound covers the real shard
+                    segs = (micro.tree.start.size if share else micro.indices.size) + (row > 1)
                     assert max(p.cp_shard(q, cp_size=w).num_tokens for q in range(w)) <= \
                         gpu_tokens(p.num_tokens, segs, w)
     note(f"worst GPU {worst} of cap {cap}")
-    slots = sum(s.micro_count for s in plan.steps) * cfg.dp_size  # at most one row pad + placeholder token each
-    assert computed <= int((-(-lens // mult) * mult).sum()) + slots * row
+    slots = sum(s.micro_count for s in plan.steps) * cfg.dp_size  # at most one row pad or padded placeholder each
+    assert computed <= int((-(-lens // mult) * mult).sum()) + slots * max(row, mult)
 
 
 def test_grpo_trees_stay_whole_over_a_cp_group_and_compute_fewer_tokens():

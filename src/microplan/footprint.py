@@ -250,8 +250,8 @@ def packing_cap(config: PlanConfig) -> int | None:
 
     ``max_tokens_per_micro`` × static CP degree, lowered to a multiple of the row multiple in
     the varlen layout (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r), less the halo room of the row pad's
-    segment for tree rows under CP (:func:`gpu_tokens`; the packer adds each atom's own halo
-    room). Padded layouts pack with the plain cap.
+    segment under CP (:func:`gpu_tokens`; the packer adds each atom's own halo room). Padded
+    layouts pack with the plain cap.
     """
     if config.max_tokens_per_micro is None:
         return None
@@ -259,8 +259,9 @@ def packing_cap(config: PlanConfig) -> int | None:
     cap = config.max_tokens_per_micro * c
     r = config.pad_row_to_multiple_of
     if config.layout == "varlen" and r > 1:
-        # tree rows under CP: the row pad is one more segment with halo rows (gpu_tokens)
-        cap = (cap - (halo_per_segment(c) if config.share_prefixes else 0)) // r * r
+        # under CP the row pad is one more segment with halo rows, and rounding the row up to r must
+        # not eat the samples' halo room: ⌈S/r⌉·r ≤ S + r − 1 (then every GPU is within gpu_tokens)
+        cap = cap - halo_per_segment(c) - (r - 1) if c > 1 else cap // r * r
     return cap
 
 
@@ -302,14 +303,26 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     width = int(cp.max_size) if dyn else config.static_cp_size  # type: ignore[union-attr]
     cap = config.max_tokens_per_micro * width
     alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
-    if alone.size and int(alone.max()) > cap:
-        j = int(np.argmax(alone))
+    held = alone
+    if not fp.padded and width > 1:  # split over a group, a GPU also computes 2 halo rows per segment (gpu_tokens)
+        if dyn:  # a sample split only when it exceeds one GPU: its row and the row pad's segment
+            held = alone + halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * \
+                (alone > config.max_tokens_per_micro)
+        else:  # static CP: the packer's rule, a sample's halo room under packing_cap
+            held = fp.sample_tokens + halo_per_segment(width)
+            cap = int(packing_cap(config))  # type: ignore[arg-type]
+    if held.size and int(held.max()) > cap:
+        j = int(np.argmax(held - cap))
+        full = config.max_tokens_per_micro * width
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
-            (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {cap}" if width > 1 else "")
+            (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {full}" if width > 1 else "") + \
+            (f", {cap} once the row pad's halo rows and the row multiple are taken off" if cap != full else "")
+        extra = int(held[j]) - int(fp.sample_tokens[j] if not dyn and width > 1 and not fp.padded else alone[j])
+        halo = "" if extra <= 0 else f" plus {extra} halo rows over the CP group (2 per segment per GPU)"
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
-        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}, more than one micro-batch may hold "
+        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}{halo}, more than one micro-batch may hold "
                         f"({where}); raise max_tokens_per_micro, enable context_parallel, lower the padding "
                         "multiples, or truncate the sample.")
     _check_vision(fp, config)

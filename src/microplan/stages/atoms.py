@@ -111,12 +111,14 @@ def halo_room(atoms: Atoms, ctx: PlanContext) -> np.ndarray | None:
     """Row tokens each tree atom's CP halo rows take under static CP (``footprint.gpu_tokens``):
     2c per segment of the atom's trie. A trie has one segment per owner (the sample whose tokens
     it holds), so the trie of a bin has at most the sum of its atoms' segments: packing with this
-    room keeps every GPU under the cap, halos counted. None without CP, and for flat rows (their
-    halos, ≤ 2 per sample per GPU, are not counted yet: docs/context_parallel.md).
+    room keeps every GPU under the cap, halos counted; a flat sample is one segment. None without
+    CP or in a padded layout.
     Cost: one ``trie.micro_trees`` pass over the atoms."""
     h = halo_per_segment(ctx.cfg.static_cp_size)
-    if not h or not atoms.trees:
+    if not h or ctx.fp.padded:
         return None
+    if not atoms.trees:
+        return np.full(atoms.size, h, dtype=np.int64)  # a flat sample is one segment
     atom_of = np.repeat(np.arange(atoms.size, dtype=np.int64), np.diff(atoms.ptr))
     trees = micro_trees(ctx.parent, ctx.shared, ctx.batch.seq_lens, atoms.members, atom_of, atoms.size)
     return h * np.fromiter((t.start.size for t in trees), dtype=np.int64, count=atoms.size)

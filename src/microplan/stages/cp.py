@@ -58,31 +58,36 @@ __all__ = ["plan_dynamic_cp_step", "cp_degrees", "DynamicCPStep"]
 
 
 def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
-    """Tokens a CP group of ``width`` GPUs may hold before its row is rounded up to the row
-    multiple: ⌊width · cap / r⌋ · r (then the padded row is within width × cap)."""
+    """Tokens (samples plus their halo room) a CP group of ``width`` GPUs may hold before its row
+    is rounded up to the row multiple r: ⌊cap / r⌋ · r on one GPU; width · cap − 2·width − (r − 1)
+    on a split group (the row pad's halo rows; ⌈S/r⌉·r ≤ S + r − 1), so every GPU stays within
+    ``footprint.gpu_tokens``."""
     r = cfg.pad_row_to_multiple_of
     w = np.asarray(width)
-    pad_halo = np.where(w > 1, HALO_ROWS * w, 0) if cfg.share_prefixes and r > 1 else 0  # tree rows: the pad's halos
-    return (w * int(cfg.max_tokens_per_micro) - pad_halo) // r * r  # type: ignore[arg-type]
+    full = w * int(cfg.max_tokens_per_micro)  # type: ignore[arg-type]
+    if r == 1:
+        return full
+    # a split row: its pad segment's halo rows, and rounding up to r must not eat the samples' halo room
+    return np.where(w > 1, full - HALO_ROWS * w - (r - 1), full // r * r)
 
 
-def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, segs: np.ndarray | None = None) -> np.ndarray:
+def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, segs: np.ndarray) -> np.ndarray:
     """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
-    what each sample occupies, its padding included; ``segs``: tree rows' trie segments, each
-    costing a GPU of a split group 2 halo rows, the row pad one more segment when r > 1)."""
+    what each sample occupies, its padding included; ``segs``: its row segments — 1 for a flat
+    sample, the trie's for a tree atom — each costing a GPU of a split group 2 halo rows, the row
+    pad one more segment when r > 1)."""
     cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
     r = cfg.pad_row_to_multiple_of
     row = -(-lens // r) * r
-    if segs is None:
-        need = -(-row // cap)  # type: ignore[operator]  # GPUs for the row rounded to r
-    else:  # ⌈row/d⌉ + 2·S ≤ cap ⟺ row ≤ d·(cap − 2·S) for d > 1 (footprint.gpu_tokens)
-        room = np.maximum(cap - HALO_ROWS * (segs + (r > 1)), 1)  # type: ignore[operator]
-        need = np.where(row <= cap, 1, np.maximum(-(-row // room), 2))
+    # ⌈row/d⌉ + 2·S ≤ cap ⟺ row ≤ d·(cap − 2·S) for d > 1 (footprint.gpu_tokens)
+    room = cap - HALO_ROWS * (segs + (r > 1))  # type: ignore[operator]
+    split = np.where(room >= 1, np.maximum(-(-row // np.maximum(room, 1)), 2), 2 * int(cmax) + 1)  # room < 1: no width fits
+    need = np.where(row <= cap, 1, split)
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
     deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
     if lens.size and deg.max() > cmax:
         j = int(np.argmax(deg))
-        halo = "" if segs is None else f" (a prefix-tree part with {int(segs[j])} trie segments: 2 halo rows each per GPU)"
+        halo = f" (split, each GPU also computes {2 * int(segs[j] + (r > 1))} halo rows: 2 per row segment)"
         raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens{halo}: it needs {int(deg[j])} GPUs at "
                         f"max_tokens_per_micro={cap}, more than ContextParallel.max_size={cmax}; raise max_size "
                         "(and dp_size), raise max_tokens_per_micro, or truncate the sample.")
@@ -281,23 +286,28 @@ def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: Plan
         if got == "short":
             # The greedy merge found no tiling without empty groups; the one-sample-per-group
             # layout is the exact test (it tiles with no placeholder whenever any layout can).
-            padded = _padded(lens, costs, deg, cfg, K)
+            padded = _padded(lens, costs, deg, cfg, K, segs)
             if allow_short or not padded.placeholders:
                 return padded, K
             return None
         K += a
 
 
-def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int) -> _Layout:
-    """Too few samples for the plane: one group per sample (widest that fits), placeholders after."""
+def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int,
+            segs: np.ndarray | None = None) -> _Layout:
+    """Too few samples for the plane: one group per sample (widest that fits, halo rows counted),
+    placeholders after."""
     D, cmax = cfg.dp_size, cfg.context_parallel.max_size  # type: ignore[union-attr]
     n = lens.size
     width = deg.copy()
+    r = cfg.pad_row_to_multiple_of
+    row, halo = -(-lens // r) * r, HALO_ROWS * ((np.ones(n, dtype=np.int64) if segs is None else segs) + (r > 1))
     while True:  # widen the costliest groups while GPUs are left
         spare = D * K - int(width.sum())
         now = _per_gpu(cfg, costs, lens, width)
-        per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare)) & (_per_gpu(cfg, costs, lens, 2 * width) < now),
-                           now, -1.0)
+        room = -(-row // (2 * width)) + halo <= cfg.max_tokens_per_micro  # every GPU of the wider group fits
+        per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare)) & room
+                           & (_per_gpu(cfg, costs, lens, 2 * width) < now), now, -1.0)
         if spare <= 0 or per_gpu.max() < 0:
             break
         width[int(np.argmax(per_gpu))] *= 2
@@ -422,7 +432,7 @@ def _uniform_grid(w: int, units: CPUnits, keep: np.ndarray, binner: Binner, coef
     """
     D = cfg.dp_size
     sub = replace(cfg, dp_size=D // w, context_parallel=ContextParallel(size=w), short_step="pad")
-    lens = units.lens[keep] if units.segs is None else units.lens[keep] + units.halo(w)[keep]  # type: ignore[index]
+    lens = units.lens[keep] + units.halo(w)[keep]  # type: ignore[index]  # each unit's halo rows
     vcap = cfg.max_vision_tokens_per_micro
     if units.atoms is None:
         view = step_layout(micro_footprint(fp), units.label[keep], sub)

@@ -3,12 +3,12 @@
 Design note. ``stages/cp.py`` chooses CP widths and packs *units* into CP groups; this module
 says what a unit is and turns a bin of every unit back into micro-batches:
 
-- flat rows: one unit per sample (its padded length, additive cost, rollout);
+- flat rows: one unit per sample (its padded length, additive cost, rollout; one segment);
 - tree rows (``share_prefixes``): one unit per atom of ``stages/atoms.py`` (a tree or a tree
-  part; its unique trie tokens, tree cost, component code) plus its trie's segment count, because
-  a GPU of a group of w > 1 computes 2 halo rows per segment beyond ⌈U/w⌉ of the row
-  (``footprint.gpu_tokens``): the packer gives a unit 2w tokens of room per segment, and a trie
-  has one segment per owner, so a bin's segments are at most the sum of its units'.
+  part; its unique trie tokens, tree cost, component code) and its trie's segment count.
+A GPU of a group of w > 1 computes 2 halo rows per segment beyond ⌈U/w⌉ of the row
+(``footprint.gpu_tokens``): the packer gives a unit 2w tokens of room per segment, and a trie
+has one segment per owner, so a bin's segments are at most the sum of its units'.
 
 :class:`Binner` maps a bin of each kept unit to each bin's cost and footprint (``fp.bin_costs``,
 or ``footprint.bin_footprint`` of the union trie) and to Micro columns (ascending samples, or
@@ -37,7 +37,7 @@ class CPUnits(NamedTuple):
 
     lens: np.ndarray             # int64 tokens a unit occupies alone (padding included)
     costs: np.ndarray            # float64 additive cost
-    segs: np.ndarray | None      # int64 trie segments (tree rows: halo rows under CP), None for flat rows
+    segs: np.ndarray             # int64 row segments (1 per flat sample, trie segments of a tree atom)
     label: np.ndarray            # int64 a member sample, named in refusals
     rollouts: np.ndarray         # int64 drop unit code
     vision: np.ndarray | None    # int64 vision tokens, None without a vision cap
@@ -45,13 +45,14 @@ class CPUnits(NamedTuple):
 
     def halo(self, width: int) -> np.ndarray | int:
         """Room each unit's halo rows take in a group of ``width`` (0 for flat rows or width 1)."""
-        return 0 if self.segs is None else halo_per_segment(width) * self.segs
+        return halo_per_segment(width) * self.segs
 
 
 def sample_units(samples: np.ndarray, batch: Batch, costs: np.ndarray, fp: Footprint, cfg: PlanConfig) -> CPUnits:
     vis = fp.vision_tokens[samples] if cfg.max_vision_tokens_per_micro is not None and fp.vision_tokens is not None \
         else None
-    return CPUnits(fp.sample_tokens[samples], costs[samples], None, samples, batch.rollout_codes[samples], vis, None)
+    return CPUnits(fp.sample_tokens[samples], costs[samples], np.ones(samples.size, dtype=np.int64), samples,
+                   batch.rollout_codes[samples], vis, None)
 
 
 def atom_units(atoms: Atoms, parent: np.ndarray, shared: np.ndarray, batch: Batch) -> CPUnits:
