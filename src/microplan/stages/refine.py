@@ -68,7 +68,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
     order = stable_argsort(bin_of)
-    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1)).tolist()
+    bounds = [0] + np.cumsum(np.bincount(bin_of, minlength=num_bins)).tolist()
     members: dict[int, list[int]] = {}  # only the bins a move touched, materialised lazily
 
     def mem(b: int) -> list[int]:
