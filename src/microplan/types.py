@@ -8,6 +8,7 @@ scales. Arrays are int64/float64, read-only, and aligned with ``indices``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -185,20 +186,15 @@ def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tu
         extra["cp_size"] = cp_size
     if footprint is not None:
         extra["footprint"] = footprint
-    row: list[Micro] = []
-    ph = None
-    for lo, hi in zip(los, his):
-        if hi == lo and ph is not None:
-            row.append(ph)
-            continue
-        d = {"indices": i[lo:hi], "_span": (cols, lo, hi), "cp_group": group}
-        if extra:
+    ds = [{"indices": i[lo:hi], "_span": (cols, lo, hi), "cp_group": group} for lo, hi in zip(los, his)]
+    if extra:
+        for d in ds:
             d.update(extra)
-        m = _new(Micro)
-        _set(m, "__dict__", d)
-        if hi == lo:
-            ph = m
-        row.append(m)
+    row = list(map(_new, repeat(Micro, len(ds))))
+    list(map(_set, row, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+    empty = [m for m, lo, hi in zip(range(len(ds)), los, his) if lo == hi]
+    for m in empty[1:]:
+        row[m] = row[empty[0]]
     return row
 
 

@@ -98,7 +98,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     gone[kept] = False
     dropped = np.flatnonzero(gone)  # ascending, as np.setdiff1d (which sorts: 3-6 ms at 16k atoms)
     samples = atoms.samples_of(kept)
-    sample_bin = np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
+    sample_bin = bin_of if atoms.single else np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
     forest = (ctx.parent, ctx.shared) if atoms.trees else None
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
     cp = cfg.static_cp_size
