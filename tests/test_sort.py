@@ -44,3 +44,19 @@ def test_nan_falls_back_to_numpy():
     x = np.random.default_rng(0).random(6000)
     x[::5] = np.nan
     _check(x)
+
+
+@given(st.integers(0, 6000), st.sampled_from(["increasing", "with-noise", "flat", "decreasing"]), st.integers(0, 2 ** 32 - 1))
+def test_via_key_matches_numpy(n, shape, seed):
+    """Sorting costs through their int lengths gives numpy's stable order, whether or not the costs
+    are an increasing function of the lengths (the O(n) check falls back to sorting the costs)."""
+    from microplan._sort import stable_argsort_via
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 300, n)
+    x = {"increasing": lambda: 3.0 * lens + 0.01 * lens.astype(float) ** 2,
+         "with-noise": lambda: lens + rng.integers(0, 2, n) * 0.5,
+         "flat": lambda: np.minimum(lens, 150) * 1.0,
+         "decreasing": lambda: -1.0 * lens}[shape]()
+    for desc in (False, True):
+        assert np.array_equal(stable_argsort_via(x, lens, descending=desc), np.argsort(-x if desc else x, kind="stable"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .._sort import stable_argsort
+from .._sort import stable_argsort_via
 
 __all__ = ["lpt_pack", "lpt_pack_wide", "round_robin_pack", "bins_lower_bound"]
 
@@ -64,7 +64,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     cost / width. Returns the bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
-    order = stable_argsort(costs, descending=True)
+    order = stable_argsort_via(costs, seq_lens, descending=True)  # costs usually rise with length
     load_c = np.zeros(B, dtype=np.float64) if load is None else load
     load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
     room_t = None if cap is None else width * cap if room is None else room
