@@ -15,6 +15,9 @@ the longest, N_B tokens — escape it).
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows when packing fails, or —
   ``probe="slack"`` — by one step when the packed plan sits more than ``SLACK`` above its bound
   and the next K packs faster (a cap-tight K leaves no room to balance; ``"walk"`` keeps going).
+  The slack test tries the O(n) bound without the lockstep slot term first (``quick_bounds``, never
+  above LB): a plan within ``SLACK`` of it needs no slot term's O(n log n) sort (the usual case:
+  16k GRPO samples at dp 128 sit 0.06 % above it; ~1 ms of a ~15 ms plan).
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K), and the packed
   plans' predicted time is not unimodal in K (lone samples skip the packed term, so it drops
   wherever a few more samples get a micro-batch of their own). The search is global over the

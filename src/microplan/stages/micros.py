@@ -3,8 +3,10 @@
 Samples are grouped by bin with one stable argsort, so each micro-batch's arrays are read-only
 slices of four shared arrays (ascending global index = execution order): building dp·K Micros
 costs one argsort and dp·K slices, no per-sample Python work. :func:`grid_micros` builds the
-ranks × slots rows directly (one dict per Micro, no intermediate tuples): 16,384 samples in
-2,304 micro-batches take ~3 ms (bench_speed; ~10 ms through per-bin tuples and keyword calls).
+ranks × slots rows directly (``types._micro_row``: one small dict per Micro, ``indices`` sliced,
+the other three arrays on first read). Measured (16,384 samples in 2,304 micro-batches, CPU time
+on the shared VM at load ~4, same process): ``build_step`` 3.9 ms, 9.4 ms through per-bin tuples
+of four slices and keyword calls.
 """
 
 from __future__ import annotations

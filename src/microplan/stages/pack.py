@@ -9,7 +9,11 @@ LPT would do up to ties. A sample whose paired bin lacks room falls back to a ma
 the bins that fit. An optional second resource (``extra``: vision tokens with their own cap)
 is checked the same way. Guarantees: every bin non-empty when n >= m; no bin over ``cap`` tokens
 (returns None instead); deterministic (stable sorts, ties by bin and sample index).
-Cost: O(n log n + rounds · m log m); a 16k-sample step packs in a few ms.
+Cost: O(n log n + rounds · m log m). The descending order is one sort of the int lengths when
+the costs rise with them (``_sort.stable_argsort_via``), and the samples are permuted into it
+once, so a round's chunk is a slice. Measured (16,384 GRPO samples into 2,304 bins, 11 rounds,
+CPU time on the shared VM at load ~4, same process): 2.1 ms, 3.8 ms with numpy's stable argsort
+and per-round gathers.
 """
 
 from __future__ import annotations
