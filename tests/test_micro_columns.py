@@ -43,7 +43,7 @@ def test_pickle_and_copy_carry_own_arrays_only():
     plan = _plan()
     m = plan.steps[0].micros[3][1]
     fresh = pickle.loads(pickle.dumps(m))
-    assert fresh == m and "_span" not in fresh.__dict__
+    assert fresh == m and "_cols" not in fresh.__dict__
     assert len(pickle.dumps(m)) < 20 * m.indices.nbytes + 2000  # not the step's 3,000-sample columns
     for dup in (copy.copy(m), copy.deepcopy(m), dataclasses.replace(m)):
         assert dup == m
