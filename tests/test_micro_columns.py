@@ -55,3 +55,14 @@ def test_placeholders_read_empty():
     plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=60, short_step="pad"))
     ph = [m for row in plan.steps[0].micros for m in row if m.is_placeholder]
     assert ph and all(m.seq_lens.size == 0 and m.loss_scale.size == 0 and m.num_tokens == 0 for m in ph)
+
+
+def test_a_ranks_placeholders_are_one_object():
+    """Local placement with every sample on rank 0: the other ranks hold placeholders only, one
+    shared Micro per rank (built once, not K times)."""
+    batch = mp.Batch([40] * 24).with_rank_of(np.zeros(24, dtype=np.int64))
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=100, placement="local"))
+    rows = plan.steps[0].micros
+    assert len(rows[0]) > 1 and not any(m.is_placeholder for m in rows[0])
+    for r, row in enumerate(rows[1:], start=1):
+        assert all(m is row[0] for m in row) and row[0].is_placeholder and row[0].cp_group == (r,)

@@ -192,15 +192,25 @@ def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tu
         extra["cp_size"] = cp_size
     if footprint is not None:
         extra["footprint"] = footprint
+    full = [k for k, lo, hi in zip(range(len(los)), los, his) if hi > lo]
+    row: list[Micro] = []
+    if len(full) < len(los):  # placeholders: one shared by the rank, built once (a rank of dp=1,024 may hold none)
+        ph = _new(Micro)
+        _set(ph, "__dict__", {"indices": i[:0], "_cols": cols, "_lo": 0, "cp_group": group, **extra})
+        row = [ph] * len(los)
+        if not full:
+            return row
+        los, his = [los[k] for k in full], [his[k] for k in full]
     ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group} for lo, hi in zip(los, his)]
     if extra:
         for d in ds:
             d.update(extra)
-    row = list(map(_new, repeat(Micro, len(ds))))
-    list(map(_set, row, repeat("__dict__"), ds))  # frozen: bypass __setattr__
-    empty = [m for m, lo, hi in zip(range(len(ds)), los, his) if lo == hi]
-    for m in empty[1:]:
-        row[m] = row[empty[0]]
+    made = list(map(_new, repeat(Micro, len(ds))))
+    list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+    if not row:
+        return made
+    for k, m in zip(full, made):
+        row[k] = m
     return row
 
 
