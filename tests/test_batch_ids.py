@@ -70,3 +70,29 @@ def test_mixed_ids_code_as_their_strings(ids):
     kinds = {type(v) for v in ids}
     want = [str(v) for v in ids] if kinds == {int, str} else ids
     assert b.prompt_ids == want and b.prompt_codes.tolist() == reference_codes(want)
+
+
+@pytest.mark.parametrize("make", ["dense", "shuffled", "wide", "negative", "uint64"])
+def test_large_int_id_arrays_code_like_the_reference(make):
+    """Above ~1k ids the coder takes its sort-key path (or the already-dense shortcut): same codes."""
+    rng = np.random.default_rng(7)
+    n = 5000
+    group = np.repeat(np.arange(n // 8), 8)
+    ids = {"dense": group,
+           "shuffled": rng.permutation(n // 8)[group],
+           "wide": rng.integers(-2 ** 62, 2 ** 62, n // 8)[group],
+           "negative": group - 300,
+           "uint64": (rng.permutation(n // 8).astype(np.uint64) + np.uint64(2 ** 63))[group]}[make]
+    b = mp.Batch(np.full(n, 3), prompt_ids=ids, rollout_ids=ids)
+    want = reference_codes(ids.tolist())
+    assert b.prompt_codes.tolist() == want and b.rollout_codes.tolist() == want
+    assert b.prompt_ids == ids.tolist() and all(type(v) is int for v in b.prompt_ids[:5])
+
+
+def test_int_id_array_is_copied():
+    """Int id arrays are listed lazily (on first read of prompt_ids): a later change to the caller's
+    array must not reach the batch."""
+    ids = np.array([4, 4, 9, 9] * 400)
+    b = mp.Batch(np.full(ids.size, 3), prompt_ids=ids)
+    ids[:] = 0
+    assert b.prompt_ids[:4] == [4, 4, 9, 9] and b.num_prompts == 2

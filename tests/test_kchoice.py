@@ -161,3 +161,29 @@ def test_dense_k_search_is_global(seed):
     times = dict(step.choice.candidates)
     assert times[step.micro_count] <= min(every.values()) * 1.005, (step.micro_count, min(every, key=every.get))
     assert len(times) <= 24 and "Searched K=" in step.choice.reason
+
+
+@given(st.floats(0.9, 1.1), st.floats(0.97, 1.0), st.booleans())
+def test_slack_probe_quick_bound_same_decision(ratio, weaker, packs_better):
+    """The slack probe tests a cheaper bound (<= the full one) first: the same K, packing and
+    candidates as with the full bound alone, and the full bound is only computed when the plan is
+    not within SLACK of the cheap one."""
+    from microplan.stages.kchoice import choose_k
+
+    full_lb = 100.0
+    calls: list[str] = []
+
+    def run(quick):
+        def lower_bounds(Ks):
+            calls.append("full")
+            return np.full(len(Ks), full_lb)
+        return choose_k(4, 8, 1, additive=True, sync="micro", probe="slack", lower_bounds=lower_bounds,
+                        quick_bounds=quick, pack=lambda K: K,
+                        time=lambda K, b: full_lb * ratio * (0.995 if packs_better and K > 4 else 1.0) ** (K - 4))
+    calls.clear()
+    base = run(None)
+    calls.clear()
+    quick = run(lambda Ks: np.full(len(Ks), full_lb * weaker))
+    assert quick[0] == base[0] and quick[1] == base[1] and quick[2] == base[2]
+    within_quick = not full_lb * ratio > full_lb * weaker * (1 + 2e-3)
+    assert ("full" not in calls) == within_quick

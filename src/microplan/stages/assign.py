@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._sort import stable_argsort
+
 __all__ = ["arrange", "grid_time"]
 
 
@@ -22,7 +24,7 @@ def arrange(micro_costs: np.ndarray, dp: int, K: int) -> np.ndarray:
 
     ``micro_costs`` has exactly ``dp·K`` entries (placeholders included).
     """
-    order = np.argsort(-micro_costs, kind="stable")
+    order = stable_argsort(micro_costs, descending=True)
     grid = np.empty((dp, K), dtype=np.int64)
     rank_load = np.zeros(dp, dtype=np.float64)
     for m in range(K):

@@ -50,10 +50,17 @@ class Atoms(NamedTuple):
     def size(self) -> int:
         return int(self.tokens.size)
 
+    @property
+    def single(self) -> bool:
+        """One sample per atom (``samples_of`` is a gather, a bin's samples are its atoms)."""
+        return self.members.size == self.tokens.size and bool((self.ptr[1:] - self.ptr[:-1] == 1).all())
+
     def samples_of(self, atoms: np.ndarray) -> np.ndarray:
         """The member samples of the given atoms, atom by atom."""
         if not atoms.size:
             return np.zeros(0, dtype=np.int64)
+        if self.single:
+            return self.members[atoms]
         lo, hi = self.ptr[atoms], self.ptr[atoms + 1]
         idx = np.repeat(lo - np.cumsum(np.concatenate([[0], (hi - lo)[:-1]])), hi - lo) + np.arange(int((hi - lo).sum()))
         return self.members[idx]

@@ -5,19 +5,21 @@ each (rank, slot) of the grid becomes a :class:`~microplan.types.Micro` holding 
 samples — ascending global index for flat rows, depth-first order with the bin's prefix trie
 for tree rows (``prefix.micro_tree``) — and every sample gets its loss scale
 (``weigh.loss_scales``, over the step's kept samples, with the step's K). Flat bins cost one
-stable argsort and dp·K slices (no per-sample Python); tree bins one trie each.
+stable argsort and dp·K slices (no per-sample Python; ``micros.grid_micros``); tree bins one trie
+each.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from .._sort import stable_argsort
 from ..batch import Batch
 from ..prefix import PrefixTree, dfs_orders
 from ..trie import micro_trees
 from ..types import Micro, Step
 from .context import PlanContext
-from .micros import binned_micros
+from .micros import grid_micros
 from .place import Layout
 from .weigh import loss_coefficients, loss_scales
 
@@ -36,21 +38,17 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     cfg, b = ctx.cfg, ctx.batch
     D, K = cfg.dp_size, lay.K
     atoms = lay.atoms
-    order = np.argsort(lay.samples, kind="stable")
-    kept, sbin = lay.samples[order], lay.sample_bin[order]       # ascending global index
+    kept, sbin = lay.samples, lay.sample_bin
+    if kept.size > 1 and not (kept[1:] > kept[:-1]).all():  # plain atoms come ascending already
+        order = stable_argsort(kept)
+        kept, sbin = kept[order], sbin[order]                    # ascending global index
     assert cfg.loss is not None
     coef = loss_coefficients(cfg.loss, b.loss_tokens[kept], b.prompt_codes[kept], b.rollout_codes[kept])
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    parts = binned_micros(kept, sbin, D * K, scale, b)
     cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
-    if not atoms.trees:
-        micros = []
-        empty = _empty_parts()
-        for r in range(D):  # a rank's placeholders share one (immutable) Micro
-            ph = trusted(*empty, cp, 0, (r,), footprint=mfp)
-            micros.append([trusted(*parts[g], cp, 0, (r,), footprint=mfp) if parts[g][0].size else ph
-                           for g in lay.grid[r].tolist()])
-        return Step(s, micros, kept, choice=lay.choice)
+    if not atoms.trees:  # a rank's placeholders share one (immutable) Micro
+        return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
+                    choice=lay.choice)
     tparts = tree_parts(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale)
     micros = []
     empty = _empty_parts()

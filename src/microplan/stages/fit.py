@@ -107,6 +107,7 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
         K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync, probe="slack",
         lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
                                                   cost=cost, cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro"),
+        quick_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cost),
         pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra),  # m == n: one sample per bin
         time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg))
     # the bubble: more, smaller micro-batches may be faster — searched only when the cost prices a

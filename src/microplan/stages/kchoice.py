@@ -15,6 +15,9 @@ the longest, N_B tokens — escape it).
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows when packing fails, or —
   ``probe="slack"`` — by one step when the packed plan sits more than ``SLACK`` above its bound
   and the next K packs faster (a cap-tight K leaves no room to balance; ``"walk"`` keeps going).
+  The slack test tries the O(n) bound without the lockstep slot term first (``quick_bounds``, never
+  above LB): a plan within ``SLACK`` of it needs no slot term's O(n log n) sort (the usual case:
+  16k GRPO samples at dp 128 sit 0.06 % above it; ~1 ms of a ~15 ms plan).
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K), and the packed
   plans' predicted time is not unimodal in K (lone samples skip the packed term, so it drops
   wherever a few more samples get a micro-batch of their own). The search is global over the
@@ -40,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from .._sort import stable_argsort
 from ..cost.cp import cp_micro_costs
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
@@ -124,7 +128,7 @@ def time_lower_bounds(costs: np.ndarray, lens: np.ndarray, Ks: np.ndarray, *, bi
         M = float(costs[top]) + pm
         rest = np.delete(np.arange(n), top)
         dens = costs[rest] / lf[rest]
-        order = np.argsort(-dens, kind="stable")
+        order = stable_argsort(dens, descending=True)
         tok = np.cumsum(lf[rest][order])
         budget = float((D - 1) * cap)
         full = int(np.searchsorted(tok, budget, side="right"))
@@ -163,7 +167,8 @@ SLACK = 2e-3  # probe="slack": try K + align when the packed plan is this far ab
 
 
 def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Callable[[np.ndarray], np.ndarray],
-             pack: Packer, time: Timer, sync: str, probe: Probe = "slack") -> tuple[int, Any, KChoice]:
+             pack: Packer, time: Timer, sync: str, probe: Probe = "slack",
+             quick_bounds: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[int, Any, KChoice]:
     """The K of lowest predicted time and its packing (see the module note), for any packer.
 
     ``K0``: the aligned lower bound; ``k_hi``: the largest aligned K that needs no placeholder.
@@ -174,13 +179,17 @@ def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Ca
     placement: a pinned rank whose micro-batches are all nearly full). A packed-row term: the
     global search of the module note over aligned K in [K0, k_hi] (``MAX_EVALS`` packings at most); when nothing
     in range packs, grow past it. The global planner (``fit.py``) and local placement
-    (``local.py``) differ only in ``pack``, ``time`` and ``probe``.
+    (``local.py``) differ only in ``pack``, ``time`` and ``probe``. ``quick_bounds``: a cheaper
+    bound, never above ``lower_bounds``, tried first by the ``"slack"`` test (a plan within
+    ``SLACK`` of it is within ``SLACK`` of the full bound: the same decision, without the full
+    bound's O(n log n) slot term).
     """
     if additive or k_hi <= K0:
         K, got, choice = _grow(K0, K0, align, pack, time, [])
         if probe == "none" or K + align > k_hi:
             return K, got, choice
-        return _probe_above(K, got, choice, k_hi, align, lower_bounds, pack, time, sync, walk=probe == "walk")
+        return _probe_above(K, got, choice, k_hi, align, lower_bounds, pack, time, sync, walk=probe == "walk",
+                            quick_bounds=quick_bounds)
     return _search(K0, k_hi, align, lower_bounds, pack, time, sync)
 
 
@@ -272,12 +281,15 @@ def _search(K0: int, k_hi: int, align: int, lower_bounds: Callable[[np.ndarray],
 
 def _probe_above(K: int, got: Any, choice: KChoice, k_hi: int, align: int,
                  lower_bounds: Callable[[np.ndarray], np.ndarray], pack: Packer, time: Timer,
-                 sync: str, *, walk: bool) -> tuple[int, Any, KChoice]:
+                 sync: str, *, walk: bool,
+                 quick_bounds: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple[int, Any, KChoice]:
     """Try K above the fewest that packs while that can still be faster (see choose_k)."""
     tried = list(choice.candidates)
     best_K, best, best_t = K, got, tried[-1][1]
-    if not walk and not best_t > float(lower_bounds(np.array([K]))[0]) * (1 + SLACK):
-        return K, got, choice
+    if not walk:
+        for bounds in ((quick_bounds, lower_bounds) if quick_bounds is not None else (lower_bounds,)):
+            if not best_t > float(bounds(np.array([K]))[0]) * (1 + SLACK):  # within the slack of a bound <= LB
+                return K, got, choice
     k = K + align
     while k <= k_hi and len(tried) < MAX_EVALS and (not walk or float(lower_bounds(np.array([k]))[0]) <
                                                         best_t * (1 - 1e-12)):

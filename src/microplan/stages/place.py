@@ -94,11 +94,13 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     else:
         f = fit_step(s, atoms.label, lens, atoms.costs, atoms.rollouts, run_cfg, view)
         kept, bin_of, K, choice = f.kept, f.bin_of, f.micro_count, f.choice
+    gone = np.ones(atoms.size, dtype=bool)
+    gone[kept] = False
+    dropped = np.flatnonzero(gone)  # ascending, as np.setdiff1d (which sorts: 3-6 ms at 16k atoms)
     samples = atoms.samples_of(kept)
-    sample_bin = np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
+    sample_bin = bin_of if atoms.single else np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
     forest = (ctx.parent, ctx.shared) if atoms.trees else None
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
-    dropped = np.setdiff1d(np.arange(atoms.size, dtype=np.int64), kept)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
     if ctx.local:  # each rank's own bins, heaviest first

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from .._sort import stable_argsort
+
 __all__ = ["refine_bins"]
 
 _PATIENCE = 32  # iterations without the heaviest bin dropping by rel_tol before giving up
@@ -65,8 +67,8 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
     """
     if num_bins < 2 or bin_of.size <= num_bins:
         return bin_of
-    order = np.argsort(bin_of, kind="stable")
-    bounds = np.searchsorted(bin_of[order], np.arange(num_bins + 1)).tolist()
+    order = stable_argsort(bin_of)
+    bounds = [0] + np.cumsum(np.bincount(bin_of, minlength=num_bins)).tolist()
     members: dict[int, list[int]] = {}  # only the bins a move touched, materialised lazily
 
     def mem(b: int) -> list[int]:

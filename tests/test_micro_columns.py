@@ -1,0 +1,68 @@
+"""Planner-built Micros (``types._micro_row``): ``indices`` up front, the other three arrays sliced from
+the step's shared columns on first read. They must read exactly as eager arrays would, stay
+read-only, and never drag the step's columns into a pickle or a copy."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import pickle
+
+import numpy as np
+
+import microplan as mp
+from microplan.types import Micro
+
+
+def _plan() -> mp.Plan:
+    rng = np.random.default_rng(3)
+    lens = rng.integers(50, 4000, 3000)
+    batch = mp.Batch(lens, prompt_ids=np.repeat(np.arange(375), 8), prompt_lens=np.minimum(lens - 1, 40))
+    return mp.plan(batch, mp.PlanConfig(dp_size=8, max_tokens_per_micro=16384, loss=mp.Loss("prompt-mean")))
+
+
+def test_lazy_columns_read_as_eager_arrays():
+    plan = _plan()
+    b = plan.batch
+    scales = {}
+    for row in plan.steps[0].micros:
+        for m in row:
+            idx = m.indices
+            assert np.array_equal(m.seq_lens, b.seq_lens[idx]) and np.array_equal(m.loss_tokens, b.loss_tokens[idx])
+            assert m.seq_lens.dtype == np.int64 and m.loss_scale.dtype == np.float64 and m.loss_scale.size == idx.size
+            for a in (m.indices, m.seq_lens, m.loss_tokens, m.loss_scale):
+                assert not a.flags.writeable
+            assert m.seq_lens is m.seq_lens  # sliced once, then kept
+            scales.update(zip(idx.tolist(), m.loss_scale.tolist()))
+    assert len(scales) == b.num_samples
+    eager = Micro(m.indices, m.seq_lens, m.loss_tokens, m.loss_scale, cp_group=m.cp_group)
+    assert eager == m and m == eager
+
+
+def test_pickle_and_copy_carry_own_arrays_only():
+    plan = _plan()
+    m = plan.steps[0].micros[3][1]
+    fresh = pickle.loads(pickle.dumps(m))
+    assert fresh == m and "_cols" not in fresh.__dict__
+    assert len(pickle.dumps(m)) < 20 * m.indices.nbytes + 2000  # not the step's 3,000-sample columns
+    for dup in (copy.copy(m), copy.deepcopy(m), dataclasses.replace(m)):
+        assert dup == m
+    assert pickle.loads(pickle.dumps(plan)).steps[0].micros == plan.steps[0].micros
+
+
+def test_placeholders_read_empty():
+    batch = mp.Batch([30] * 3)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=60, short_step="pad"))
+    ph = [m for row in plan.steps[0].micros for m in row if m.is_placeholder]
+    assert ph and all(m.seq_lens.size == 0 and m.loss_scale.size == 0 and m.num_tokens == 0 for m in ph)
+
+
+def test_a_ranks_placeholders_are_one_object():
+    """Local placement with every sample on rank 0: the other ranks hold placeholders only, one
+    shared Micro per rank (built once, not K times)."""
+    batch = mp.Batch([40] * 24).with_rank_of(np.zeros(24, dtype=np.int64))
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=100, placement="local"))
+    rows = plan.steps[0].micros
+    assert len(rows[0]) > 1 and not any(m.is_placeholder for m in rows[0])
+    for r, row in enumerate(rows[1:], start=1):
+        assert all(m is row[0] for m in row) and row[0].is_placeholder and row[0].cp_group == (r,)
