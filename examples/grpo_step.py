@@ -16,7 +16,8 @@ computes the same plan and proves it with the fingerprint. Then, per optimizer s
 
 No normalisation appears outside microplan: no token counts, no micro counts, no world size —
 and J and |grad| print the same (to float32 rounding) for 1, 2, 3 or 4 ranks: the split does not
-change the gradient. (``python examples/grpo_step.py 4`` picks the world size.)
+change the gradient. (``python examples/grpo_step.py 4`` picks the world size; ``... 1 2 4`` runs
+each in turn.)
 """
 
 from __future__ import annotations
@@ -137,20 +138,20 @@ def main() -> None:
     if "RANK" in os.environ:  # launched by torchrun
         _run()
         return
-    world = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    t = time.perf_counter()
+    worlds = [int(w) for w in sys.argv[1:]] or [2]  # several sizes: the same J and |grad| for each
     # Linux: fork the ranks from this process, which has imported transformers once (spawn would
     # re-import torch + transformers in every rank, ~8 s each on a small CPU machine).
     method = "fork" if sys.platform == "linux" else "spawn"
     if method == "fork":
         import transformers.models.llama.modeling_llama  # noqa: F401  (imported once, inherited)
-    torch.multiprocessing.start_processes(_spawned, args=(world, port), nprocs=world, join=True,
-                                          start_method=method)
-    print(f"done in {time.perf_counter() - t:.1f}s")
-
+    for world in worlds:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        t = time.perf_counter()
+        torch.multiprocessing.start_processes(_spawned, args=(world, port), nprocs=world, join=True,
+                                              start_method=method)
+        print(f"done in {time.perf_counter() - t:.1f}s")
 
 if __name__ == "__main__":
     main()

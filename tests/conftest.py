@@ -1,7 +1,7 @@
 """Hypothesis profiles: bounded by default ("ci"), thorough one variable away ("dev"); never zero examples.
 
 The README's test command (``python -m pytest``) and ``.ci/run`` run the same bounded, derandomised
-"ci" profile (150 examples per property), so the whole suite finishes in minutes on a 2-core
+"ci" profile (60 examples per property), so the whole suite finishes in minutes on a 2-core
 machine. ``HYPOTHESIS_PROFILE=dev python -m pytest`` runs the thorough profile (1,000 random
 examples per property, ~3x longer). An unset or empty variable means "ci"; an unknown name is an
 error from hypothesis naming the profiles. Both profiles set ``derandomize`` explicitly: hypothesis
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/_gloo.py and other test helpers
 
-PROFILES = {"ci": 150, "dev": 1000}  # examples per property
+PROFILES = {"ci": 60, "dev": 1000}  # examples per property
 DEFAULT_PROFILE = "ci"
 
 settings.register_profile("dev", max_examples=PROFILES["dev"], deadline=None, derandomize=False,

@@ -45,7 +45,7 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_second_exactly() -> None
 def test_bounded_profile_is_the_default_and_never_zero_examples() -> None:
     code = ("import sys; sys.path.insert(0, 'tests'); import conftest; from hypothesis import settings; "
             "print(settings().max_examples, settings().derandomize)")
-    for value, expected in ((None, "150 True"), ("", "150 True"), ("dev", "1000 False")):
+    for value, expected in ((None, "60 True"), ("", "60 True"), ("dev", "1000 False")):
         env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"}
         if value is not None:
             env["HYPOTHESIS_PROFILE"] = value
