@@ -3,7 +3,7 @@
 The README's test command (``python -m pytest``) and ``.ci/run`` run the same bounded, derandomised
 "ci" profile (60 examples per property), so the whole suite finishes in minutes on a 2-core
 machine. ``HYPOTHESIS_PROFILE=dev python -m pytest`` runs the thorough profile (1,000 random
-examples per property, ~3x longer). An unset or empty variable means "ci"; an unknown name is an
+examples per property; several times longer). An unset or empty variable means "ci"; an unknown name is an
 error from hypothesis naming the profiles. Both profiles set ``derandomize`` explicitly: hypothesis
 derandomises every profile by default when it detects a CI environment (``CI=true``), which would
 silently turn "dev" into a fixed-seed run there.
