@@ -248,10 +248,11 @@ def footprint_of(batch: Batch, config: PlanConfig) -> Footprint:
 def packing_cap(config: PlanConfig) -> int | None:
     """The cap an additive packer checks Σ sample_tokens against (None for static batching).
 
-    ``max_tokens_per_micro`` × static CP degree, lowered to a multiple of the row multiple in
-    the varlen layout (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r), less the halo room of the row pad's
-    segment under CP (:func:`gpu_tokens`; the packer adds each atom's own halo room). Padded
-    layouts pack with the plain cap.
+    ``max_tokens_per_micro`` × static CP degree. With a row multiple r (varlen): ⌊cap/r⌋·r
+    without CP (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r); under CP, c·cap − 2c − (r − 1): the row pad is
+    one more segment with halo rows, and ⌈S/r⌉·r ≤ S + r − 1 keeps the rounding from eating the
+    atoms' own halo room, which the packer adds (:func:`gpu_tokens`). Padded layouts pack with
+    the plain cap.
     """
     if config.max_tokens_per_micro is None:
         return None
@@ -303,26 +304,25 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     width = int(cp.max_size) if dyn else config.static_cp_size  # type: ignore[union-attr]
     cap = config.max_tokens_per_micro * width
     alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
-    held = alone
-    if not fp.padded and width > 1:  # split over a group, a GPU also computes 2 halo rows per segment (gpu_tokens)
-        if dyn:  # a sample split only when it exceeds one GPU: its row and the row pad's segment
-            held = alone + halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * \
-                (alone > config.max_tokens_per_micro)
-        else:  # static CP: the packer's rule, a sample's halo room under packing_cap
-            held = fp.sample_tokens + halo_per_segment(width)
+    base, halo = alone, np.zeros_like(alone)  # split over a group, a GPU also runs 2 halo rows per segment
+    if not fp.padded and width > 1:
+        if dyn:  # a sample is split only when it exceeds one GPU: its row and the row pad's segment
+            halo = halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * (alone > config.max_tokens_per_micro)
+        else:  # static CP: the packer's rule, the sample and its halo room under packing_cap
+            base, halo = fp.sample_tokens, np.full_like(alone, halo_per_segment(width))
             cap = int(packing_cap(config))  # type: ignore[arg-type]
+    held = base + halo
     if held.size and int(held.max()) > cap:
         j = int(np.argmax(held - cap))
         full = config.max_tokens_per_micro * width
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
             (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {full}" if width > 1 else "") + \
             (f", {cap} once the row pad's halo rows and the row multiple are taken off" if cap != full else "")
-        extra = int(held[j]) - int(fp.sample_tokens[j] if not dyn and width > 1 and not fp.padded else alone[j])
-        halo = "" if extra <= 0 else f" plus {extra} halo rows over the CP group (2 per segment per GPU)"
+        rows = "" if not halo[j] else f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
-        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}{halo}, more than one micro-batch may hold "
+        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}{rows}, more than one micro-batch may hold "
                         f"({where}); raise max_tokens_per_micro, enable context_parallel, lower the padding "
                         "multiples, or truncate the sample.")
     _check_vision(fp, config)

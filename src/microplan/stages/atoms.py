@@ -30,7 +30,7 @@ from ..footprint import halo_per_segment
 from ..trie import TreeCut, cut_trees, micro_trees, set_tries
 from .context import PlanContext
 
-__all__ = ["Atoms", "sample_atoms", "tree_atoms", "halo_room"]
+__all__ = ["Atoms", "sample_atoms", "tree_atoms", "atom_segments", "halo_room"]
 
 
 class Atoms(NamedTuple):
@@ -45,6 +45,7 @@ class Atoms(NamedTuple):
     owner: np.ndarray | None      # int64 rank of each atom (placement="local"), else None
     vision: np.ndarray | None     # int64 vision tokens (only when a vision cap applies), else None
     trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
+    segs: np.ndarray | None = None  # int64 row segments of each atom alone (under CP only; see atom_segments)
 
     @property
     def size(self) -> int:
@@ -75,9 +76,10 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
         # a lone sample's trie runs through its ancestors' segments, each padded to the multiple
         tokens = set_tries(ctx.parent, ctx.shared, b.seq_lens, samples, np.arange(samples.size), samples.size,
                            multiple=fp.padding.sample_multiple).tokens
-    return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples,
-                 np.arange(samples.size + 1, dtype=np.int64), None if ctx.owner is None else ctx.owner[samples],
-                 vis, ctx.cfg.share_prefixes)
+    ptr = np.arange(samples.size + 1, dtype=np.int64)
+    return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples, ptr,
+                 None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes,
+                 atom_segments(samples, ptr, ctx.cfg.share_prefixes, ctx))
 
 
 def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
@@ -111,24 +113,30 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
     vis = None if ctx.vision_cap is None else \
         np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
     return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
-                 np.concatenate(owner) if owner else None, vis, True)
+                 np.concatenate(owner) if owner else None, vis, True, atom_segments(members, ptr, True, ctx))
+
+
+def atom_segments(members: np.ndarray, ptr: np.ndarray, trees: bool, ctx: PlanContext) -> np.ndarray | None:
+    """Row segments of each atom alone: 1 per flat sample, its trie's segments for a tree atom.
+    Split over a CP group, a GPU computes 2 halo rows per segment (``footprint.gpu_tokens``); a
+    trie has one segment per owner (the sample whose tokens it holds), so the trie of a bin has at
+    most the sum of its atoms' segments. Computed only under context parallel with varlen rows
+    (None otherwise). Cost: one ``trie.micro_trees`` pass over tree atoms."""
+    if ctx.cfg.context_parallel is None or ctx.fp.padded:
+        return None
+    A = ptr.size - 1
+    if not trees:
+        return np.ones(A, dtype=np.int64)
+    atom_of = np.repeat(np.arange(A, dtype=np.int64), np.diff(ptr))
+    tries = micro_trees(ctx.parent, ctx.shared, ctx.batch.seq_lens, members, atom_of, A)
+    return np.fromiter((t.start.size for t in tries), dtype=np.int64, count=A)
 
 
 def halo_room(atoms: Atoms, ctx: PlanContext) -> np.ndarray | None:
-    """Row tokens each tree atom's CP halo rows take under static CP (``footprint.gpu_tokens``):
-    2c per segment of the atom's trie. A trie has one segment per owner (the sample whose tokens
-    it holds), so the trie of a bin has at most the sum of its atoms' segments: packing with this
-    room keeps every GPU under the cap, halos counted; a flat sample is one segment. None without
-    CP or in a padded layout.
-    Cost: one ``trie.micro_trees`` pass over the atoms."""
+    """Row tokens each atom's halo rows take under static CP: 2c per segment (``atom_segments``),
+    so packing with this room keeps every GPU under the cap. None without static CP or padded."""
     h = halo_per_segment(ctx.cfg.static_cp_size)
-    if not h or ctx.fp.padded:
-        return None
-    if not atoms.trees:
-        return np.full(atoms.size, h, dtype=np.int64)  # a flat sample is one segment
-    atom_of = np.repeat(np.arange(atoms.size, dtype=np.int64), np.diff(atoms.ptr))
-    trees = micro_trees(ctx.parent, ctx.shared, ctx.batch.seq_lens, atoms.members, atom_of, atoms.size)
-    return h * np.fromiter((t.start.size for t in trees), dtype=np.int64, count=atoms.size)
+    return None if not h or atoms.segs is None else h * atoms.segs
 
 
 def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:

@@ -23,8 +23,7 @@ import numpy as np
 
 from ..batch import Batch
 from ..config import PlanConfig
-from ..footprint import Footprint, bin_footprint, halo_per_segment
-from ..trie import micro_trees
+from ..footprint import Footprint, bin_footprint
 from .atoms import Atoms
 from .build import tree_parts
 from .micros import binned_micros
@@ -43,10 +42,6 @@ class CPUnits(NamedTuple):
     vision: np.ndarray | None    # int64 vision tokens, None without a vision cap
     atoms: Atoms | None          # the atoms (tree rows), None for samples
 
-    def halo(self, width: int) -> np.ndarray | int:
-        """Room each unit's halo rows take in a group of ``width`` (0 for flat rows or width 1)."""
-        return halo_per_segment(width) * self.segs
-
 
 def sample_units(samples: np.ndarray, batch: Batch, costs: np.ndarray, fp: Footprint, cfg: PlanConfig) -> CPUnits:
     vis = fp.vision_tokens[samples] if cfg.max_vision_tokens_per_micro is not None and fp.vision_tokens is not None \
@@ -55,11 +50,10 @@ def sample_units(samples: np.ndarray, batch: Batch, costs: np.ndarray, fp: Footp
                    batch.rollout_codes[samples], vis, None)
 
 
-def atom_units(atoms: Atoms, parent: np.ndarray, shared: np.ndarray, batch: Batch) -> CPUnits:
-    atom_of = np.repeat(np.arange(atoms.size, dtype=np.int64), np.diff(atoms.ptr))
-    trees = micro_trees(parent, shared, batch.seq_lens, atoms.members, atom_of, atoms.size)
-    segs = np.fromiter((t.start.size for t in trees), dtype=np.int64, count=atoms.size)
-    return CPUnits(atoms.tokens, atoms.costs, segs, atoms.label, atoms.rollouts, atoms.vision, atoms)
+def atom_units(atoms: Atoms) -> CPUnits:
+    """Tree atoms as units; their segments come with them (``atoms.atom_segments``: the config has CP)."""
+    assert atoms.segs is not None  # atom_segments is set whenever context_parallel is
+    return CPUnits(atoms.tokens, atoms.costs, atoms.segs, atoms.label, atoms.rollouts, atoms.vision, atoms)
 
 
 class Binner:

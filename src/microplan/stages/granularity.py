@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from ..footprint import HALO_ROWS
-from .atoms import Atoms, halo_room, sample_atoms, tree_atoms
+from ..footprint import halo_per_segment
+from .atoms import Atoms, sample_atoms, tree_atoms
 from .cp import DynamicCPStep, plan_dynamic_cp_step
 from .cp_units import atom_units
 from .context import PlanContext
@@ -51,7 +51,8 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
             errors.append(exc)
             return None
 
-    atoms = [_fitting_trees(samples, ctx, cap, cap)]
+    halo = halo_per_segment(ctx.cfg.static_cp_size)
+    atoms = [_fitting_trees(samples, ctx, cap, cap, halo)]
     per_sample = sample_atoms(samples, ctx)
     first = attempt(atoms[0]) or attempt(per_sample)
     if first is None:
@@ -66,7 +67,7 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
             tried.add(limit)
-            atoms.append(_fitting_trees(samples, ctx, limit, cap))
+            atoms.append(_fitting_trees(samples, ctx, limit, cap, halo))
             cands.append(attempt(atoms[-1]))  # type: ignore[arg-type]
     atoms.append(per_sample)
     if first.atoms is not per_sample:
@@ -94,13 +95,14 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     return best
 
 
-def _fitting_trees(samples: np.ndarray, ctx: PlanContext, limit: int, cap: int) -> Atoms:
-    """Tree atoms of at most ``limit`` trie tokens whose packing size (halo room under CP
-    included) fits the cap: the limit drops by the excess until every atom fits."""
+def _fitting_trees(samples: np.ndarray, ctx: PlanContext, limit: int, room: int, per_seg: int) -> Atoms:
+    """Tree atoms of at most ``limit`` trie tokens that fit ``room`` with ``per_seg`` tokens of
+    halo room per trie segment (CP; 0 without): the limit drops by the excess until every atom fits."""
     for _ in range(8):
         atoms = tree_atoms(samples, ctx, limit)
-        halo = halo_room(atoms, ctx)
-        excess = np.zeros(0) if halo is None else atoms.tokens + halo - cap
+        if not per_seg or atoms.segs is None:
+            return atoms
+        excess = atoms.tokens + per_seg * atoms.segs - room
         if not (excess > 0).any() or limit <= 1:
             return atoms
         limit = max(1, min(limit, int(atoms.tokens[excess > 0].max())) - int(excess.max()))
@@ -115,15 +117,11 @@ def best_dynamic_cp(s: int, samples: np.ndarray, ctx: PlanContext) -> DynamicCPS
     cfg, b = ctx.cfg, ctx.batch
     forest = (ctx.parent, ctx.shared)
     cmax, cap = int(cfg.context_parallel.max_size), int(cfg.max_tokens_per_micro)  # type: ignore[union-attr,arg-type]
-    limit, cands, errors = cmax * cap, [], []
-    for _ in range(8):  # cut until every tree part fits a group of cmax GPUs with its halo rows
-        units = atom_units(tree_atoms(samples, ctx, limit), ctx.parent, ctx.shared, b)
-        pad = cfg.pad_row_to_multiple_of > 1
-        over = units.lens + HALO_ROWS * cmax * (units.segs + pad) - cmax * cap  # type: ignore[operator]
-        if not (over > 0).any() or limit <= 1:
-            break
-        limit = max(1, min(limit, int(units.lens[over > 0].max())) - int(over.max()))
-    for u in (units, atom_units(sample_atoms(samples, ctx), ctx.parent, ctx.shared, b)):
+    r, per_seg = cfg.pad_row_to_multiple_of, halo_per_segment(cmax)
+    room = cmax * cap - (per_seg + r - 1 if r > 1 else 0)  # a widest group: the row pad's halos, rounding to r
+    cands, errors = [], []
+    whole = _fitting_trees(samples, ctx, cmax * cap, room, per_seg)  # each part fits a group of cmax GPUs
+    for u in (atom_units(whole), atom_units(sample_atoms(samples, ctx))):
         try:
             cands.append(plan_dynamic_cp_step(s, samples, b, ctx.costs, cfg, ctx.fp, units=u, forest=forest))
         except PlanError as exc:

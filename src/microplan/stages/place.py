@@ -3,11 +3,12 @@
 Design note. One function, :func:`lay_out`, whatever the atoms are (samples or prefix-tree
 parts) and wherever they may go:
 
-1. placement: under static CP with sharing an atom occupies its trie tokens plus its halo rows
-   (``atoms.halo_room``), so every GPU of a CP group stays under the cap; ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
+1. placement: ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
    slot-target packing, ``short_step``); ``local`` packs each owner rank's atoms into its own K
    bins with one K for every rank (``local.fit_local``). Both see the same atom arrays and the
-   same layout view (a vision cap every packer keeps; a padded layout's row geometry);
+   same layout view (a vision cap every packer keeps; a padded layout's row geometry). Under
+   static CP an atom also takes its halo rows' room (``atoms.halo_room``), so every GPU of a
+   group stays under the cap;
 2. bins: the footprint of each bin (``footprint.bin_footprint``: padded samples, or the union
    trie of its samples — two parts of one tree in one bin share their root path again) and its
    cost, from the one footprint function the cap, ``validate`` and the stats use;
