@@ -18,10 +18,12 @@ Issue 20 adds, under the packed-T² truths, a cap sweep (12 caps from the longes
 token- and prior-balanced plans; the best under the truth) and an all-K sweep (the planner's
 packing at every K, planned with the truth), and ``--grid``: the meter against the oracle on a grid
 of varlen truths (attention 1.2/2/3x, per-micro overhead 0/5/10 % of a cap-full micro-batch, 1/5 %
-noise).
+noise). The grid also plans with an *informed estimator* (least squares on the same records, told
+the truth's form and its per-micro overhead): what the warm-up records can tell at all, the
+yardstick for the meter's misses. ``--warmup N`` scores after N warm-up steps instead of 3.
 
-Run: ``python -m benchmarks.bench_meter [--quick] [--grid]``; writes
-``benchmarks/results/meter[-grid]-<date>-<host>.json``.
+Run: ``python -m benchmarks.bench_meter [--quick] [--grid [--warmup N] [--noise ...]]``; writes
+``benchmarks/results/meter[-grid[-warmupN]]-<date>-<host>.json``.
 """
 
 from __future__ import annotations
@@ -91,10 +93,21 @@ def best_k(batch: mp.Batch, dp: int, cap: int, machine: mp.FlopsCost) -> float:
     return score(plan, machine) * min(min(times), chosen) / chosen
 
 
+def informed_fit(records: list[tuple[float, float, float]], per_micro: float) -> mp.FlopsCost:
+    """The reference estimator of the grid: told the truth's form (varlen, Σ L and Σ L²) AND its
+    per-micro overhead, it fits the two remaining coefficients by least squares weighted for
+    relative noise. What it misses is what the records of the warm-up steps cannot tell."""
+    T, Q, y = np.array(records).T
+    w = 1.0 / y
+    th, *_ = np.linalg.lstsq(np.stack([T, Q], axis=1) * w[:, None], (y - per_micro) * w, rcond=None)
+    return mp.FlopsCost(linear=max(float(th[0]), 1e-30), quadratic=max(float(th[1]), 0.0), per_micro=per_micro)
+
+
 def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
-             spec: tuple | None = None, noise: float = NOISE) -> dict:
-    """One run of WARMUP + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
-    ``TRUTHS[truth_name]``) with timing noise ``noise``."""
+             spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False) -> dict:
+    """One run of ``warmup`` + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
+    ``TRUTHS[truth_name]``) with timing noise ``noise``; ``informed``: also plan the scored steps
+    with :func:`informed_fit` of the same records."""
     max_len, cap, group = FAMILIES[family]
     slow, over, packed = TRUTHS[truth_name] if spec is None else spec
     machine = truth(slow, over, cap, packed=bool(packed))
@@ -104,13 +117,18 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
     meter = mp.CostMeter(prior=prior)
     rng = np.random.default_rng(seed)
     spg = SPG[seed % len(SPG)]
-    steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=WARMUP + SCORED, seed=seed)
+    steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=warmup + SCORED, seed=seed)
     out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
-                     smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[])
+                     smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[], informed=[])
+    records: list[tuple[float, float, float]] = []
     for s, batch in enumerate(steps):
         cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=meter.cost())
         plan = mp.plan(batch, cfg)
-        if s >= WARMUP:
+        if s >= warmup:
+            if informed:
+                ref = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap,
+                                                   cost=informed_fit(records, machine.per_micro)))
+                out["informed"].append(score(ref, machine))
             oracle = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=machine))
             uncal = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=prior))
             out["metered"].append(score(plan, machine))
@@ -126,6 +144,8 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
                     out["all_k"].append(best_k(batch, dp, cap, machine))
         for micro, t in measured_seconds(plan, machine, noise, rng):
             meter.record(micro, t)
+            lens = np.asarray(micro.seq_lens if micro.num_samples else [1], dtype=np.float64)
+            records.append((float(lens.sum()), float((lens * lens).sum()), t))
     rep = meter.report()
     out["prior_terms"] = list(rep.prior_terms)
     out["meter_error"] = rep.recent_median_error
@@ -191,38 +211,43 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
 GRID_ATTENTION, GRID_OVERHEAD, GRID_NOISE = (1.2, 2.0, 3.0), (0.0, 0.05, 0.10), (0.01, 0.05)
 
 
-def run_grid(seeds: range, families: list[str]) -> list[dict]:
+def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tuple = GRID_NOISE) -> list[dict]:
     """Issue 20 item 2: metered − oracle lockstep/LB per cell of a grid of varlen truths (attention
-    1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise)."""
+    1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise), and
+    the same gap for the informed estimator (the truth's form and per-micro overhead given)."""
     cells = []
     for fam in families:
         for dp in (8, 32):
             for a in GRID_ATTENTION:
                 for o in GRID_OVERHEAD:
-                    for nz in GRID_NOISE:
-                        rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz)
-                                for seed in seeds]
+                    for nz in noises:
+                        rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz,
+                                         warmup=warmup, informed=True) for seed in seeds]
                         gap = np.array([m - q for r in rows for m, q in zip(r["metered"], r["oracle"])])
+                        ref = np.array([m - q for r in rows for m, q in zip(r["informed"], r["oracle"])])
                         held = sorted({t for r in rows for t in r["prior_terms"]})
                         cells.append(dict(family=fam, dp=dp, attention=a, overhead=o, noise=nz,
                                           gap_median=float(np.median(gap)), gap_worst=float(gap.max()),
+                                          informed_median=float(np.median(ref)),
                                           metered=float(np.median([m for r in rows for m in r["metered"]])),
                                           prior_terms=held))
     return cells
 
 
 def format_grid(cells: list[dict]) -> str:
-    lines = [f"{'family':<19}{'dp':>4}{'attn':>6}{'over':>6}{'noise':>7}{'met-oracle med/worst':>24}{'metered':>9}"
-             "  from the prior", "-" * 96]
+    lines = [f"{'family':<19}{'dp':>4}{'attn':>6}{'over':>6}{'noise':>7}{'met-oracle med/worst':>24}{'informed':>10}"
+             f"{'metered':>9}  from the prior", "-" * 106]
     for c in cells:
         lines.append(f"{c['family']:<19}{c['dp']:>4}{c['attention']:>6.1f}{c['overhead']:>6.2f}{c['noise']:>7.2f}"
-                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['metered']:>9.4f}  "
+                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['informed_median']:>+10.4f}{c['metered']:>9.4f}  "
                      f"{', '.join(c['prior_terms']) or '-'}")
-    for nz in GRID_NOISE:
+    for nz in sorted({c["noise"] for c in cells}):
         sub = [c for c in cells if c["noise"] == nz]
         lines.append(f"noise {nz:.0%}: {sum(c['gap_median'] <= 0.002 for c in sub)}/{len(sub)} cells within 0.002 "
                      f"(median); worst cell median {max(c['gap_median'] for c in sub):+.4f}, worst step "
-                     f"{max(c['gap_worst'] for c in sub):+.4f}")
+                     f"{max(c['gap_worst'] for c in sub):+.4f}; informed estimator: "
+                     f"{sum(c['informed_median'] <= 0.002 for c in sub)}/{len(sub)} cells, worst cell median "
+                     f"{max(c['informed_median'] for c in sub):+.4f}")
     return "\n".join(lines)
 
 
@@ -232,17 +257,21 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
+    ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps before scoring (default %(default)s)")
+    ap.add_argument("--noise", type=float, nargs="*", default=list(GRID_NOISE), help="--grid: timing noises")
     args = ap.parse_args(argv)
     seeds = range(2) if args.quick else range(6)
     if args.grid:
-        cells = run_grid(seeds, args.families)
+        cells = run_grid(seeds, args.families, args.warmup, tuple(args.noise))
         print(f"CostMeter vs oracle on a grid of varlen truths ({len(seeds)} seeds x {SCORED} scored steps after "
-              f"{WARMUP} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step)")
+              f"{args.warmup} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step; informed: "
+              "the same gap for least squares told the truth's form and per-micro overhead)")
         print(format_grid(cells))
         result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                      warmup=WARMUP, scored=SCORED, cells=cells)
+                      warmup=args.warmup, scored=SCORED, cells=cells)
         if not args.no_write:
-            print(f"wrote {save_json('meter-grid', result)}.json")
+            name = "meter-grid" if args.warmup == WARMUP else f"meter-grid-warmup{args.warmup}"
+            print(f"wrote {save_json(name, result)}.json")
         return result
     rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]
     summary = summarise(rows)

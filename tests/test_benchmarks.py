@@ -231,3 +231,18 @@ def test_bench_share_speed_row():
     assert set(row["median_ms"]) == {"share", "no-share"} and row["ratio"] > 0
     assert set(row["primitives_ms"]) == {"cut_trees", "set_tries", "set_tries_x8", "micro_tree_all", "micro_trees"}
     assert row["tokens"]["share"] < row["tokens"]["no-share"]
+
+
+def test_bench_meter_informed_estimator_is_exact_without_noise():
+    """The grid's yardstick: told the truth's form and per-micro overhead, least squares on
+    noise-free records recovers the truth, so its plans score exactly as the oracle's; with 5 %
+    noise it is a real estimate (its plans may differ)."""
+    from benchmarks import bench_meter as bmeter
+
+    exact = bmeter.run_case("long-context", 8, 0, "attn2/over0.05", spec=(2.0, 0.05, False), noise=0.0,
+                            informed=True)
+    assert len(exact["informed"]) == bmeter.SCORED
+    assert exact["informed"] == pytest.approx(exact["oracle"], rel=1e-9)
+    noisy = bmeter.run_case("long-context", 8, 1, "attn1.2/over0.1", spec=(1.2, 0.1, False), noise=0.05,
+                            informed=True, warmup=1)
+    assert len(noisy["informed"]) == bmeter.SCORED and min(noisy["informed"]) >= 1.0

@@ -252,3 +252,30 @@ def test_report_names_the_terms_the_records_do_not_identify():
         varied.record(m, TRUTH.micro_cost(m) * (1 + 0.01 * rng.standard_normal()))
     assert varied.report().prior_terms == ()
     assert "from the prior" not in str(varied.report())
+
+
+def _attention_fit(noise: float, seed: int, records: int = 200) -> tuple[float, float]:
+    """(relative error of the fitted attention-to-linear ratio, the reported relative sd)."""
+    rng = np.random.default_rng(seed)
+    truth = mp.FlopsCost(linear=1.0, quadratic=2e-5, per_micro=500.0)
+    meter = mp.CostMeter(prior=mp.FlopsCost(linear=1.0, quadratic=4e-5, per_micro=1000.0))
+    for _ in range(records):
+        lens = rng.integers(100, 8000, size=int(rng.integers(1, 6)))
+        meter.record(lens, truth.micro_cost(lens) * (1.0 + noise * rng.standard_normal()))
+    rep = meter.report()
+    got = rep.cost.quadratic / rep.cost.linear / (truth.quadratic / truth.linear) - 1.0
+    assert rep.attention_rel_std is not None and "attention term known to" in str(rep)
+    return abs(got), rep.attention_rel_std
+
+
+def test_attention_uncertainty_is_reported_and_calibrated():
+    """The report's sd of the attention term follows the noise the records show (not the assumed
+    5 %) and covers the real error of the fit: within 3 sd in nearly every run."""
+    assert mp.CostMeter(prior=mp.FlopsCost(linear=1.0, quadratic=1e-5)).report().attention_rel_std is None
+    quiet = [_attention_fit(0.01, s) for s in range(12)]
+    loud = [_attention_fit(0.05, s) for s in range(12)]
+    assert np.mean([sd for _, sd in loud]) > 3.0 * np.mean([sd for _, sd in quiet])
+    covered = sum(err <= 3.0 * sd for err, sd in quiet + loud)
+    assert covered >= 22, [(round(e, 3), round(sd, 3)) for e, sd in quiet + loud]
+    more = [_attention_fit(0.05, s, records=800) for s in range(6)]
+    assert np.mean([sd for _, sd in more]) < 0.7 * np.mean([sd for _, sd in loud[:6]])

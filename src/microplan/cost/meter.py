@@ -24,6 +24,8 @@ step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
    the window's typical one is refused at ``record``; degenerate records keep the prior).
 6. Identifiability. A term whose posterior variance is still more than half its prior's is
    named in ``MeterReport.prior_terms``: the records do not identify it, it stays at the prior.
+   ``MeterReport.attention_rel_std`` is the attention term's posterior sd (relative, scaled to
+   the noise the records show): what balancing still has to guess.
 
 CP. A record of a micro-batch split over c > 1 GPUs (``cp_size``) is fitted separately: when the
 window also holds unsplit records, the base model is fitted on those alone and the CP term
@@ -47,7 +49,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,6 +69,15 @@ _REGIME_MARGIN = 0.05                          # the other regime must explain t
 _PRIOR_SHARE = 0.5                             # a term whose posterior variance is > 50 % of its prior's: "from the prior"
 MAX_SPREAD = 1e9                               # record(): refuse a timing this far from the window's typical one
 TERMS = ("linear", "quadratic", "packed_quadratic", "per_micro")
+
+
+class _Fit(NamedTuple):
+    """One regime's MAP fit."""
+
+    theta: np.ndarray            # the coefficients (TERMS order), in units of a typical record
+    residual: float              # its weighted data residual (sum of squares)
+    held: tuple[str, ...]        # terms the records leave at the prior
+    std: np.ndarray              # posterior standard deviation of each coefficient (0 where not free)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +100,11 @@ class MeterReport:
             the same tokens, so it cannot be told from ``linear``) — left at the (rescaled) prior.
         cp_note: how the CP term was obtained (fitted on how many split micro-batches, which of
             its terms the records leave at the prior, or why it is the prior's); "" without one.
+        attention_rel_std: the posterior standard deviation of the fit's attention term (``quadratic``,
+            or ``packed_quadratic`` for a dense kernel) relative to its value — how well the records pin
+            the attention-to-linear ratio that balancing depends on (None before any record). At 5 %
+            timing noise, three warm-up steps leave it at a few percent, which costs plans a few tenths
+            of a percent of lockstep time (benchmarks/bench_meter.py --grid); more steps narrow it.
     """
 
     num_records: int
@@ -100,6 +116,7 @@ class MeterReport:
     scale: float | None
     prior_terms: tuple[str, ...] = ()
     cp_note: str = ""
+    attention_rel_std: float | None = None
 
     def __str__(self) -> str:
         rec = "n/a" if self.recent_median_error is None else \
@@ -107,6 +124,8 @@ class MeterReport:
         fit = "n/a" if self.fit_median_error is None else f"{self.fit_median_error:.1%}"
         held = (f"; from the prior (the records do not identify them): {', '.join(self.prior_terms)}"
                 if self.prior_terms else "")
+        if self.attention_rel_std is not None:
+            held += f"; attention term known to ±{self.attention_rel_std:.1%} (1 sd)"
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
                 f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}"
                 + (f"; {self.cp_note}" if self.cp_note else ""))
@@ -193,6 +212,7 @@ class CostMeter:
         self._fit: CostModel | None = None
         self._scale: float | None = None
         self._prior_terms: tuple[str, ...] = ()
+        self._attn_std: float | None = None
         self.num_records = 0
 
     # -- recording ------------------------------------------------------------------------------
@@ -264,7 +284,8 @@ class CostMeter:
                            recent_max_error=float(np.max(errs)) if errs.size else None,
                            fit_median_error=fit_err, scale=self._scale,
                            prior_terms=self._prior_terms if self._y else (),
-                           cp_note=self._cp_note if self._y else "")
+                           cp_note=self._cp_note if self._y else "",
+                           attention_rel_std=self._attn_std if self._y else None)
 
     def _current(self) -> CostModel:
         if not self._y:
@@ -293,9 +314,14 @@ class CostMeter:
         # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise
         mu_var = s * np.array([t0[0], t0[1], 0.0, t0[3]])
         mu_den = s * np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
-        theta, held, use_dense, _ = self._regimes(XX, y, w, mu_var, mu_den, prior_dense)
+        fit, use_dense = self._regimes(XX, y, w, mu_var, mu_den, prior_dense)
+        theta, held = fit.theta, fit.held
+        a = 2 if use_dense else 1
+        dof = m - (4 if use_dense else 3)  # the noise the records show, not the one assumed (``noise``)
+        seen = float(np.sqrt(fit.residual / dof)) if dof >= 3 and np.isfinite(fit.residual) else 1.0
+        self._attn_std = float(fit.std[a] * seen / theta[a]) if theta[a] > 0 and np.isfinite(fit.std[a]) else None
         if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
-            theta, held = (mu_den if use_dense else mu_var), tuple(TERMS)
+            theta, held, self._attn_std = (mu_den if use_dense else mu_var), tuple(TERMS), None
         self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
         theta = theta * unit
         base = FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
@@ -329,25 +355,27 @@ class CostMeter:
                          packed_quadratic=base.packed_quadratic, cp=cp)
 
     def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
-                 prior_dense: bool) -> tuple[np.ndarray, tuple[str, ...], bool, float]:
-        """Both regimes' MAP fits and the one kept: (θ, terms left at the prior, dense?, residual)."""
+                 prior_dense: bool) -> tuple[_Fit, bool]:
+        """Both regimes' MAP fits and the one kept, with whether it is the dense one."""
         try:
             fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
                     self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
-            fits = [(mu_var, np.inf, TERMS), (mu_den, np.inf, TERMS)]
-        (theta_v, ss_v, held_v), (theta_d, ss_d, held_d) = fits
+            nan = np.full(4, np.nan)
+            fits = [_Fit(mu_var, np.inf, TERMS, nan), _Fit(mu_den, np.inf, TERMS, nan)]
+        var, den = fits
         # the dense regime only when the records say so clearly (and it keeps a packed term)
         if prior_dense:
-            use_dense = bool(not (ss_v < ss_d * (1 - _REGIME_MARGIN)) and theta_d[2] > 0)
+            use_dense = bool(not (var.residual < den.residual * (1 - _REGIME_MARGIN)) and den.theta[2] > 0)
         else:
-            use_dense = bool(ss_d < ss_v * (1 - _REGIME_MARGIN) and theta_d[2] > 0)
-        return (theta_d, held_d, True, ss_d) if use_dense else (theta_v, held_v, False, ss_v)
+            use_dense = bool(den.residual < var.residual * (1 - _REGIME_MARGIN) and den.theta[2] > 0)
+        return (den, True) if use_dense else (var, False)
 
     def _map(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, mu: np.ndarray,
-             free: tuple[int, ...]) -> tuple[np.ndarray, float, tuple[str, ...]]:
-        """MAP fit over the coefficients ``free`` (others 0), its weighted data residual, and the
-        terms the records leave at the prior (posterior variance > ``_PRIOR_SHARE`` of the prior's)."""
+             free: tuple[int, ...]) -> _Fit:
+        """MAP fit over the coefficients ``free`` (others 0), its weighted data residual, the terms
+        the records leave at the prior (posterior variance > ``_PRIOR_SHARE`` of the prior's) and the
+        posterior standard deviations (Gaussian, ignoring θ >= 0)."""
         typical = np.maximum(np.median(X, axis=0), X.mean(axis=0))
         with np.errstate(divide="ignore"):
             floor = np.where(typical > 0, _FLOOR * float(np.median(y)) / typical, 0.0)  # 0: no data on that term
@@ -376,7 +404,9 @@ class CostMeter:
         post = np.diag(np.linalg.pinv(An.T @ An)) / norms ** 2
         share = post / np.array([tau[j] for j in cols]) ** 2
         held = tuple(TERMS[j] for j, f in zip(cols, share) if f > _PRIOR_SHARE)
-        return theta, float(r @ r), held
+        std = np.zeros(4)
+        std[cols] = np.sqrt(np.maximum(post, 0.0))
+        return _Fit(theta, float(r @ r), held, std)
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"
