@@ -157,6 +157,34 @@ def test_generation_with_kv_cache_falls_back_to_sdpa(name):
     assert torch.equal(a, b)
 
 
+def test_batched_generation_with_left_padding_and_kv_cache(name):
+    """A padded batch generates as with sdpa (the fallback used to hand sdpa the 2-D padding mask)."""
+    model, ref = _model(name), _model("sdpa")
+    toks = _tokens([6, 3], seed=3)
+    ids = torch.zeros(2, 6, dtype=torch.long)
+    mask = torch.zeros(2, 6, dtype=torch.long)
+    for i, t in enumerate(toks):
+        ids[i, 6 - len(t):], mask[i, 6 - len(t):] = t, 1
+    kw = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0, output_scores=True,
+              return_dict_in_generate=True)
+    with torch.no_grad():
+        a, b = model.generate(ids, **kw), ref.generate(ids, **kw)
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.scores, b.scores):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+
+
+def test_chunked_prefill_over_a_kv_cache_is_causal_bottom_right(name):
+    """T > 1 new tokens over S > T cached keys: token t sees the cache and the new tokens up to t."""
+    model = _model(name)
+    ids = _tokens([9], seed=4)[0][None]
+    with torch.no_grad():
+        whole = model(input_ids=ids, use_cache=False).logits[0]
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        rest = model(input_ids=ids[:, 5:], past_key_values=first.past_key_values, use_cache=True).logits[0]
+    torch.testing.assert_close(rest, whole[5:], rtol=0, atol=1e-12)
+
+
 # -- the segment table ---------------------------------------------------------------------------
 def test_segments_from_position_ids_and_mask():
     pos = torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1]])

@@ -215,6 +215,23 @@ def _table(query: torch.Tensor, attention_mask: torch.Tensor | None, causal: boo
                       lambda: segments_from_position_ids(pos, attention_mask, causal=causal))
 
 
+def _cache_mask(query: torch.Tensor, key: torch.Tensor, padding: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """The ``[B, 1, T, S]`` boolean mask of T new queries over S cached + new keys (generation with a
+    KV cache): causal aligned bottom-right (query t sees keys up to S − T + t), keys masked by the
+    2-D padding mask ``[B, ≥S]`` (1 = token). A query that may see no key (a left-pad position)
+    sees all of them instead: its output is discarded, and an empty row would be NaN."""
+    B, T, S = query.shape[0], query.shape[2], key.shape[2]
+    allowed = torch.ones(B, 1, T, S, dtype=torch.bool, device=query.device)
+    if causal:
+        q = torch.arange(T, device=query.device)[:, None] + (S - T)
+        allowed = allowed & (torch.arange(S, device=query.device)[None, :] <= q)
+    if padding is not None:
+        if padding.shape[-1] < S:
+            raise PlanError(f"the attention mask covers {padding.shape[-1]} keys but the KV cache holds {S}.")
+        allowed = allowed & padding[:, None, None, :S].to(device=query.device, dtype=torch.bool)
+    return allowed | ~allowed.any(dim=-1, keepdim=True)
+
+
 def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                      is_causal: bool | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -227,6 +244,9 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     explicit = kwargs.get("cu_seq_lens_q") is not None or kwargs.get("cu_seq_lens_k") is not None
     four_d = attention_mask is not None and attention_mask.dim() != 2
     if four_d or (key.shape[2] != query.shape[2] and not explicit):  # KV cache / custom mask: not a packed row
+        if not four_d:  # this backend's mask is 2-D padding (or None): sdpa needs the 4-D one
+            causal = bool(getattr(module, "is_causal", True) if is_causal is None else is_causal)
+            attention_mask = _cache_mask(query, key, attention_mask, causal)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)
     for unsupported in ("sliding_window", "softcap"):
