@@ -10,7 +10,7 @@ more than ``max_tokens_per_micro`` tokens); d > c is a PlanError. Steps:
    "fewer sequences than groups" case — so no CP group is ever empty.
 3. Short samples go by width-aware LPT (per-GPU load: the CP price of ``cost/cp.py``, Σ cost /
    width without a CP term; capacity width·cap) into all bins, long groups included; a failure
-   grows K by ``align``. Step 1's widening (``_balanced_degrees``) doubles a costly sample only
+   grows K by ``align``. Step 1's widening (``balanced_degrees``) doubles a costly sample only
    where the price says that lowers its per-GPU time. With a CP term the layout is also made with
    every sample at its token need and short samples kept out of long groups (``need_only``).
 4. Slots: wide groups first-fit-decreasing by width into K slots (widths divide dp, so this
@@ -35,7 +35,6 @@ unpriced search (~2-3x one fixed-CP plan).
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -49,75 +48,17 @@ from ..footprint import HALO_ROWS, Footprint, footprint_of, halo_per_segment, mi
 from ..types import Micro, Step
 from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
+from .cp_degrees import balanced_degrees, cp_degrees, cp_increments, group_room, per_gpu_cost
 from .cp_units import Binner, CPUnits, sample_units
 from .layout import StepLayout, step_layout
 from .pack import lpt_pack, lpt_pack_wide
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["plan_dynamic_cp_step", "cp_degrees", "DynamicCPStep"]
-
-
-def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
-    """Tokens (samples plus their halo room) a CP group of ``width`` GPUs may hold before its row
-    is rounded up to the row multiple r: ⌊cap / r⌋ · r on one GPU; width · cap − 2·width − (r − 1)
-    on a split group (the row pad's halo rows; ⌈S/r⌉·r ≤ S + r − 1), so every GPU stays within
-    ``footprint.gpu_tokens``."""
-    r = cfg.pad_row_to_multiple_of
-    w = np.asarray(width)
-    full = w * int(cfg.max_tokens_per_micro)  # type: ignore[arg-type]
-    if r == 1:
-        return full
-    # a split row: its pad segment's halo rows, and rounding up to r must not eat the samples' halo room
-    return np.where(w > 1, full - HALO_ROWS * w - (r - 1), full // r * r)
-
-
-def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, segs: np.ndarray) -> np.ndarray:
-    """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
-    what each sample occupies, its padding included; ``segs``: its row segments — 1 for a flat
-    sample, the trie's for a tree atom — each costing a GPU of a split group 2 halo rows, the row
-    pad one more segment when r > 1)."""
-    cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
-    r = cfg.pad_row_to_multiple_of
-    row = -(-lens // r) * r
-    # ⌈row/d⌉ + 2·S ≤ cap ⟺ row ≤ d·(cap − 2·S) for d > 1 (footprint.gpu_tokens)
-    room = cap - HALO_ROWS * (segs + (r > 1))  # type: ignore[operator]
-    split = np.where(room >= 1, np.maximum(-(-row // np.maximum(room, 1)), 2), 2 * int(cmax) + 1)  # room < 1: no width fits
-    need = np.where(row <= cap, 1, split)
-    deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
-    deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
-    if lens.size and deg.max() > cmax:
-        j = int(np.argmax(deg))
-        halo = f" (split, each GPU also computes {2 * int(segs[j] + (r > 1))} halo rows: 2 per row segment)"
-        raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens{halo}: it needs {int(deg[j])} GPUs at "
-                        f"max_tokens_per_micro={cap}, more than ContextParallel.max_size={cmax}; raise max_size "
-                        "(and dp_size), raise max_tokens_per_micro, or truncate the sample.")
-    return deg
+__all__ = ["plan_dynamic_cp_step", "DynamicCPStep"]
 
 
 def _cdiv(x: int, d: int) -> int:
     return -(-x // d)
-
-
-def _per_gpu(cfg: PlanConfig, costs: np.ndarray, lens: np.ndarray, width: np.ndarray | int) -> np.ndarray:
-    """Per-GPU cost (per_micro excluded) of work ``costs`` of ``lens`` tokens over groups of ``width``:
-    the CP price (``cost/cp.py``); ``costs / width`` when the cost has no CP term."""
-    cost = cfg.cost
-    if getattr(cost, "cp", None) is None:
-        return costs / width
-    pm = float(cost.per_micro)  # type: ignore[union-attr]
-    return cp_micro_costs(cost, costs + pm, lens, width) - pm
-
-
-def _increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
-    """Per bin: per-GPU load per unit of sample cost and per token a sample adds to a group of
-    ``width`` (the CP price's compute and exposed communication; None without a CP term)."""
-    cp = getattr(cfg.cost, "cp", None)
-    if cp is None:
-        return None
-    w = width.astype(np.float64)
-    split = w > 1
-    return (np.where(split, 1.0 / (w * cp.efficiency), 1.0),
-            np.where(split, (1.0 - cp.overlap) * cp.comm_per_token * (w - 1.0) / w, 0.0))
 
 
 class _Layout:
@@ -127,41 +68,6 @@ class _Layout:
                  placeholders: int = 0):
         self.bin_of, self.width, self.load, self.slots = bin_of, width, load, slots
         self.placeholders = placeholders  # unit bins with no sample (short_step="pad" only)
-
-
-def _balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
-                      cmax: int, cfg: PlanConfig) -> np.ndarray:
-    """Widen samples whose per-GPU cost exceeds the mean load of a GPU slot, within budget.
-
-    A sample costing more than τ = Σ cost / (dp·K) leaves its slot waiting however the other
-    groups are filled; doubling its CP degree cuts its per-GPU time (halves it under perfect
-    scaling; the CP price of ``cost/cp.py`` otherwise). Greedy: repeatedly double the sample with
-    the highest per-GPU cost above τ while doubling lowers that cost and the widened groups still
-    leave enough unit GPU-slots for the short samples' tokens. Never below the token need.
-    """
-    tau = float(costs.sum()) / gpu_slots
-    out = deg.copy()
-    short_tokens = int(lens[deg == 1].sum())
-    budget = gpu_slots - _cdiv(short_tokens, cap) - int(deg[deg > 1].sum())
-    per = _per_gpu(cfg, costs, lens, out)
-    heap = [(-float(per[i]), int(i)) for i in np.flatnonzero(costs > tau)]
-    heapq.heapify(heap)
-    while heap:
-        neg, i = heapq.heappop(heap)
-        d = int(out[i])
-        extra = d if d > 1 else 2  # a unit sample becomes a 2-wide group: it leaves the short pool
-        if -neg <= tau or 2 * d > cmax or extra > budget:
-            continue
-        wider = float(_per_gpu(cfg, costs[i:i + 1], lens[i:i + 1], 2 * d)[0])
-        if wider >= -neg:  # splitting wider is predicted no faster: keep the sample at d
-            continue
-        budget -= extra
-        if d == 1:
-            budget += _cdiv(short_tokens, cap) - _cdiv(short_tokens - int(lens[i]), cap)
-            short_tokens -= int(lens[i])
-        out[i] = 2 * d
-        heapq.heappush(heap, (-wider, i))
-    return out
 
 
 def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple[list[int], dict[int, int]]:
@@ -192,7 +98,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray,
     D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     if not need_only:
-        deg = _balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg)  # type: ignore[arg-type]
+        deg = balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
     short = np.flatnonzero(deg == 1)
     free = D * K - int(deg[long].sum())
@@ -205,11 +111,11 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray,
     nb = width.size
     load = np.zeros(nb)
     tokens = np.zeros(nb, dtype=np.int64)
-    load[: long.size] = _per_gpu(cfg, costs[long], lens[long], width[: long.size])
+    load[: long.size] = per_gpu_cost(cfg, costs[long], lens[long], width[: long.size])
     tokens[: long.size] = lens[long]
     per_seg = np.where(width > 1, HALO_ROWS * width, 0)  # a split group's halo rows per segment
     tokens[: long.size] += segs[long] * per_seg[: long.size]
-    inc = _increments(cfg, width)
+    inc = cp_increments(cfg, width)
     if inc is not None:  # every split group pays its fixed overhead, the empty ones too
         load[long.size:] += np.where(width[long.size:] > 1, cfg.cost.cp.split_overhead, 0.0)  # type: ignore[union-attr]
     bin_of = np.empty(lens.size, dtype=np.int64)
@@ -302,16 +208,16 @@ def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarr
     row, halo = -(-lens // r) * r, HALO_ROWS * (segs + (r > 1))
     while True:  # widen the costliest groups while GPUs are left
         spare = D * K - int(width.sum())
-        now = _per_gpu(cfg, costs, lens, width)
+        now = per_gpu_cost(cfg, costs, lens, width)
         room = -(-row // (2 * width)) + halo <= cfg.max_tokens_per_micro  # every GPU of the wider group fits
         per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare)) & room
-                           & (_per_gpu(cfg, costs, lens, 2 * width) < now), now, -1.0)
+                           & (per_gpu_cost(cfg, costs, lens, 2 * width) < now), now, -1.0)
         if spare <= 0 or per_gpu.max() < 0:
             break
         width[int(np.argmax(per_gpu))] *= 2
     spare = D * K - int(width.sum())
     width = np.concatenate([width, np.ones(spare, dtype=np.int64)])  # unit placeholders
-    load = np.concatenate([_per_gpu(cfg, costs, lens, width[:n]), np.zeros(spare)])
+    load = np.concatenate([per_gpu_cost(cfg, costs, lens, width[:n]), np.zeros(spare)])
     slots = _arrange(width, load, D, K)
     assert slots is not None  # widths are powers of two dividing D and sum to D·K
     return _Layout(np.arange(n, dtype=np.int64), width, load, slots, placeholders=spare)
