@@ -40,6 +40,8 @@ at n = 0.1–2k (2D: 70–200 ms).
 
 from __future__ import annotations
 
+from itertools import combinations
+from math import comb
 from typing import NamedTuple
 
 import numpy as np
@@ -49,11 +51,17 @@ from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
 from .assign import arrange
+from .padded_levels import level_plans
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
 MAX_EVALS = 12    # K values packed per step
 MAX_MOVES = 4000  # boundary moves tried per packing in the local search
+MERGE_SPLIT_MAX_RUNS = 64  # merge-and-cut moves are scored for steps of at most this many runs
+MERGE_SPLIT_ROUNDS = 16    # ... at most this many times per packing
+RELOCATE_MAX_SAMPLES = 40  # steps this small move any one or two run boundaries anywhere instead
+RELOCATE_PAIRS = 40000     # ... two at once when at most this many pairs of moves exist
+RELOCATE_ROUNDS = 64
 
 
 class PaddedSamples(NamedTuple):
@@ -297,19 +305,175 @@ def _improve(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro:
     return bnd.tolist()
 
 
-def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float,
-             sync: str) -> tuple[np.ndarray, float] | None:
-    """bin_of (in the input order) and predicted time for m bins, or None if the caps need more."""
-    b = runs_for_bins(srt, m, caps)
+def _halves(srt: _Sorted, a: int, e: int, caps: tuple) -> tuple[int, float, float] | None:
+    """The cut x of the run [a, e) (two samples or more) whose halves' costlier one is cheapest."""
+    x = np.arange(a + 1, e)
+    left = srt.run_cost(np.full(x.size, a), x - a)
+    right = srt.run_cost(x, e - x)
+    j = int(np.argmin(np.maximum(left, right)))
+    return int(x[j]), float(left[j]), float(right[j])
+
+
+def _merge_split(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float) -> list[int] | None:
+    """The best lockstep move that merges two adjacent runs and cuts another in two (the count
+    stays): it lets a slot take a run of two short neighbours while another slot's head halves;
+    None when no move lowers the time. All pairs are scored at once (lockstep only)."""
+    bnd = np.array(b, dtype=np.int64)
+    m = bnd.size - 1
+    k = np.diff(bnd)
+    if m < 3 or m > MERGE_SPLIT_MAX_RUNS or not (k > 1).any():
+        return None
+    c = srt.run_cost(bnd[:-1], k) + per_micro
+    pad = np.full(D * K - m, per_micro)
+    cur = float(np.sort(np.concatenate([c, pad]))[::-1][::D].sum())
+    ok = np.array([_fits(srt, int(bnd[j]), int(bnd[j + 2]), caps) for j in range(m - 1)])
+    merged = srt.run_cost(bnd[:-2], k[:-1] + k[1:]) + per_micro
+    cuts = {r: _halves(srt, int(bnd[r]), int(bnd[r + 1]), caps) for r in np.flatnonzero(k > 1)}
+    cand, moves = [], []
+    for j in np.flatnonzero(ok):
+        for r, (x, lft, rgt) in cuts.items():
+            if r in (j, j + 1):
+                continue
+            v = c.copy()
+            v[j], v[j + 1] = merged[j], np.nan
+            v[r] = lft + per_micro
+            cand.append(np.concatenate([v[~np.isnan(v)], [rgt + per_micro], pad]))
+            moves.append((int(j), int(r), x))
+    if not cand:
+        return None
+    t = np.sort(np.array(cand), axis=1)[:, ::-1][:, ::D].sum(axis=1)
+    i = int(np.argmin(t))
+    if t[i] >= cur * (1 - 1e-12):
+        return None
+    j, r, x = moves[i]
+    out = [int(v) for v in bnd if v != bnd[j + 1]] + [x]
+    return sorted(out)
+
+
+def _run_table(srt: _Sorted, caps: tuple) -> np.ndarray:
+    """C[a, e]: cost of the run [a, e) (inf when empty, reversed or over a cap); small steps only."""
+    n = srt.n
+    a, e = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    ok = e > a
+    C = np.full((n + 1, n + 1), np.inf)
+    C[ok] = srt.run_cost(a[ok], e[ok] - a[ok])
+    for i, j in zip(*np.nonzero(ok)):
+        if not _fits(srt, int(i), int(j), caps):
+            C[i, j] = np.inf
+    return C
+
+
+def _relocate(C: np.ndarray, b: list[int], D: int, K: int, per_micro: float, depth: int) -> list[int] | None:
+    """The best move of ``depth`` inner boundaries to new places (lockstep), None if none helps."""
+    bnd = np.array(b, dtype=np.int64)
+    n, m = int(bnd[-1]), bnd.size - 1
+    inner, free = bnd[1:-1], np.setdiff1d(np.arange(1, n), bnd)
+    if inner.size < depth or free.size < depth:
+        return None
+    rm = np.array(list(combinations(range(inner.size), depth)), dtype=np.int64).reshape(-1, depth)
+    add = np.array(list(combinations(free.tolist(), depth)), dtype=np.int64).reshape(-1, depth)
+    keep = np.ones((rm.shape[0], inner.size), dtype=bool)
+    keep[np.repeat(np.arange(rm.shape[0]), depth), rm.ravel()] = False
+    kept = np.broadcast_to(inner, keep.shape)[keep].reshape(rm.shape[0], -1)
+    rows = np.concatenate([np.repeat(kept, add.shape[0], axis=0), np.tile(add, (rm.shape[0], 1))], axis=1)
+    rows = np.sort(rows, axis=1)
+    full = np.concatenate([np.zeros((rows.shape[0], 1), np.int64), rows, np.full((rows.shape[0], 1), n)], axis=1)
+    c = C[full[:, :-1], full[:, 1:]] + per_micro
+    c = np.concatenate([c, np.full((c.shape[0], D * K - m), per_micro)], axis=1)
+    t = np.sort(c, axis=1)[:, ::-1][:, ::D].sum(axis=1)
+    cur = C[bnd[:-1], bnd[1:]] + per_micro
+    now = float(np.sort(np.concatenate([cur, np.full(D * K - m, per_micro)]))[::-1][::D].sum())
+    i = int(np.argmin(t))
+    return full[i].tolist() if t[i] < now * (1 - 1e-12) else None
+
+
+def _relocations(C: np.ndarray, b: list[int], D: int, K: int, per_micro: float) -> list[int]:
+    """Move one boundary, else two, to where the lockstep time falls most, while it falls."""
+    for _ in range(RELOCATE_ROUNDS):
+        nb = _relocate(C, b, D, K, per_micro, 1)
+        if nb is None and comb(len(b) - 2, 2) * comb(int(b[-1]) - len(b) + 1, 2) <= RELOCATE_PAIRS:
+            nb = _relocate(C, b, D, K, per_micro, 2)
+        if nb is None:
+            break
+        b = nb
+    return b
+
+
+def _fits(srt: _Sorted, a: int, e: int, caps: tuple) -> bool:
+    """Whether the run [a, e) keeps the caps."""
+    cap, max_count, vcap = caps
+    k = e - a
+    if max_count is not None and k > max_count:
+        return False
+    if cap is not None and k * int(srt.width(np.array([a]), np.array([k]))[0]) > cap:
+        return False
+    return vcap is None or srt.vcum[e] - srt.vcum[a] <= vcap  # type: ignore[index]
+
+
+def _search(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float, sync: str) -> list[int]:
+    """Boundary moves, then (lockstep) merge-and-cut moves, alternating while the time falls."""
+    b = _improve(srt, b, D, K, caps, per_micro, sync)
+    if sync == "micro" and srt.n <= RELOCATE_MAX_SAMPLES and len(b) > 2:
+        return _relocations(_run_table(srt, caps), b, D, K, per_micro)
+    for _ in range(MERGE_SPLIT_ROUNDS if sync == "micro" else 0):
+        nb = _merge_split(srt, b, D, K, caps, per_micro)
+        if nb is None:
+            break
+        b = _improve(srt, nb, D, K, caps, per_micro, sync)
+    return b
+
+
+def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float, sync: str,
+             start: list[int] | None = None) -> tuple[np.ndarray, float] | None:
+    """bin_of (in the input order) and predicted time for m bins, or None if the caps need more;
+    ``start``: run boundaries to start the local search from (default: the min-max runs)."""
+    b = runs_for_bins(srt, m, caps) if start is None else start
     if b is None:
         return None
-    b = _improve(srt, b, D, K, caps, per_micro, sync)
+    b = _search(srt, b, D, K, caps, per_micro, sync)
     bnd = np.array(b, dtype=np.int64)
     run_of = np.repeat(np.arange(bnd.size - 1), np.diff(bnd))
     bin_of = np.empty(srt.n, dtype=np.int64)
     bin_of[srt.order] = run_of
     c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, np.full(D * K - m, per_micro)])
     return bin_of, _time(c, D, K, sync)
+
+
+def _best_at(srt: _Sorted, K: int, D: int, caps: tuple, pm: float, sync: str,
+             levels: list[int] | None, minmax: bool = True) -> tuple[np.ndarray, float] | None:
+    """The better of the level DP's runs and the min-max runs at K, each locally improved."""
+    m = min(srt.n, D * K)
+    got = _bins_at(srt, m, D, K, caps, pm, sync) if minmax else None
+    if levels is not None:
+        alt = _bins_at(srt, m, D, K, caps, pm, sync, start=levels)
+        if alt is not None and (got is None or alt[1] < got[1]):
+            got = alt
+    return got
+
+
+def _walk(srt: _Sorted, K0: int, dp: int, align: int, caps: tuple, pm: float,
+          sync: str) -> tuple[dict[int, float], dict[int, tuple[np.ndarray, int]]]:
+    """K from K0 up while the min-max packing's time improves (one step of patience, at most
+    ``MAX_EVALS`` packings; past them, on to the first K that packs): (times, packings) by K."""
+    n = srt.n
+    tried: dict[int, float] = {}
+    found: dict[int, tuple[np.ndarray, int]] = {}
+    K, worse = K0, 0
+    while True:
+        m = min(n, dp * K)
+        got = _bins_at(srt, m, dp, K, caps, pm, sync)
+        t = float("inf") if got is None else got[1]
+        tried[K] = t
+        if got is not None:
+            found[K] = (got[0], m)
+        finite = [x for x in tried.values() if np.isfinite(x)]
+        if np.isfinite(t) and len(finite) > 1 and t > min(finite) * (1 - 1e-12):
+            worse += 1
+        elif np.isfinite(t):
+            worse = 0
+        if worse >= 2 or m == n or (len(tried) >= MAX_EVALS and found):
+            return tried, found
+        K += align
 
 
 def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | None, micro_batch_size: int | None,
@@ -323,45 +487,29 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
     srt = _Sorted(s, cost)
     caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
     pm = float(cost.per_micro)
+    bound = _cap_bound(srt, *caps)
     if micro_batch_size is not None:
-        got = _bins_at(srt, min(n, dp * K0), dp, K0, caps, pm, sync)
+        lv = level_plans(srt, caps, bound, dp=dp, Ks=[K0], per_micro=pm, keep=1)
+        got = _best_at(srt, K0, dp, caps, pm, sync, lv.runs.get(K0))
         assert got is not None  # a count cap of micro_batch_size always fits min(n, dp·K) runs
         return PaddedPacking(got[0], min(n, dp * K0), K0, None)
-    tried: list[tuple[int, float]] = []
-    found: dict[int, tuple[np.ndarray, int]] = {}
-    K, worse = K0, 0
-    while len(tried) < MAX_EVALS:
-        m = min(n, dp * K)
-        got = _bins_at(srt, m, dp, K, caps, pm, sync)
-        t = float("inf") if got is None else got[1]
-        tried.append((K, t))
-        if got is not None:
-            found[K] = (got[0], m)
-        finite = [x for _, x in tried if np.isfinite(x)]
-        if np.isfinite(t) and t > min(finite) * (1 - 1e-12) and len(finite) > 1:
-            worse += 1
-        elif np.isfinite(t):
-            worse = 0
-        if worse >= 2 or m == n:  # past the best by two steps, or one sample per bin
-            break
-        K += align
-    if not found:  # MAX_EVALS ran out before any K fitted the caps: walk on (m == n always fits)
-        while True:
-            m = min(n, dp * K)
-            got = _bins_at(srt, m, dp, K, caps, pm, sync)
-            tried.append((K, float("inf") if got is None else got[1]))
-            if got is not None:
-                found[K] = (got[0], m)
-                break
-            K += align
-    best_t = min(t for k, t in tried if k in found)
-    K = min(k for k, t in tried if k in found and t == best_t)
-    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in tried)
+    tried, found = _walk(srt, K0, dp, align, caps, pm, sync)
+    k_all = K0 + max(0, -(-(-(-n // dp) - K0) // align)) * align  # the least aligned K giving every sample a bin
+    lv = level_plans(srt, caps, bound, dp=dp, Ks=list(range(K0, k_all + 1, align)), per_micro=pm)
+    for K, runs in lv.runs.items():  # the level DP's best K: its runs (and min-max runs where not packed yet)
+        got = _best_at(srt, K, dp, caps, pm, sync, runs, minmax=K not in found)
+        if got is not None and got[1] < tried.get(K, float("inf")):
+            tried[K], found[K] = got[1], (got[0], min(n, dp * K))
+    for K, t in lv.times.items():  # the DP's predicted time where nothing better was packed
+        tried.setdefault(K, t)
+    best_t = min(tried[k] for k in found)
+    K = min(k for k in found if tried[k] == best_t)
+    listing = ", ".join(f"K={k}: {tried[k]:.4g}" for k in sorted(tried))
     why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K tried "
            f"({listing}) in the {s.padding.layout} layout: more micro-batches pad less but add per_micro "
            f"(lower bound K={K0} from the padded tokens)")
     bin_of, m = found[K]
-    return PaddedPacking(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
+    return PaddedPacking(bin_of, m, K, KChoice(K, K0, tuple(sorted(tried.items())), why))
 
 
 def pack_padded_at(s: PaddedSamples, *, m: int, K: int, cap: int | None, micro_batch_size: int | None,
