@@ -133,6 +133,6 @@ def test_level_plans_are_achievable_and_full(case):
         widths = srt.width(b[:-1], np.diff(b))
         assert (np.diff(b) * widths <= cap).all()
         c = srt.run_cost(b[:-1], np.diff(b)) + float(cost.per_micro)
-        assert P._time(c, dp, K, "micro") <= lv.times[K] * (1 + 1e-9)
+        assert P.predicted_time(c, dp, K, "micro") <= lv.times[K] * (1 + 1e-9)
         opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult, placeholders=False)
         assert lv.times[K] >= opt.time * (1 - 1e-9)

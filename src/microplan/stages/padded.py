@@ -40,8 +40,6 @@ at n = 0.1–2k (2D: 70–200 ms).
 
 from __future__ import annotations
 
-from itertools import combinations
-from math import comb
 from typing import NamedTuple
 
 import numpy as np
@@ -50,18 +48,13 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .assign import arrange
 from .padded_levels import level_plans
+from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
-MAX_EVALS = 12    # K values packed per step
-MAX_MOVES = 4000  # boundary moves tried per packing in the local search
-MERGE_SPLIT_MAX_RUNS = 64  # merge-and-cut moves are scored for steps of at most this many runs
-MERGE_SPLIT_ROUNDS = 16    # ... at most this many times per packing
-RELOCATE_MAX_SAMPLES = 40  # steps this small move any one or two run boundaries anywhere instead
-RELOCATE_PAIRS = 40000     # ... two at once when at most this many pairs of moves exist
-RELOCATE_ROUNDS = 64
+MAX_EVALS = 12    # K values packed per step by the min-max walk
+DEEP = 2          # the best K searched with every move of padded_search.py
 
 
 class PaddedSamples(NamedTuple):
@@ -240,232 +233,62 @@ def _split_to(srt: _Sorted, b: list[int], m: int) -> list[int]:
     return b
 
 
-def _time(costs: np.ndarray, D: int, K: int, sync: str) -> float:
-    """Predicted step time of dp·K micro-batch costs arranged by ``assign.arrange``.
+class _Runs(NamedTuple):
+    """A packing of the sorted samples: run boundaries [0, ..., n] and their predicted time."""
 
-    Under ``sync="micro"`` that is the sum of every dp-th cost in descending order (arrange cuts
-    the sorted costs into slots of dp); under ``"step"`` the arranged grid's heaviest rank.
-    """
-    if sync == "micro":
-        return float(np.sort(costs)[::-1][::D].sum())
-    grid = costs[arrange(costs, D, K)]
-    return float(grid.sum(axis=1).max())
-
-
-def _improve(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float, sync: str) -> list[int]:
-    """Move run boundaries next to the heaviest bins while the predicted time falls."""
-    cap, max_count, vcap = caps
-    bnd = np.array(b, dtype=np.int64)
-    m = bnd.size - 1
-    if m < 2:
-        return b
-
-    def run(a: int, e: int) -> float | None:
-        """Cost of the run [a, e), or None when it breaks a cap."""
-        k = e - a
-        if k < 1 or (max_count is not None and k > max_count):
-            return None
-        if cap is not None and k * int(srt.width(np.array([a]), np.array([k]))[0]) > cap:
-            return None
-        if vcap is not None and srt.vcum[e] - srt.vcum[a] > vcap:  # type: ignore[index]
-            return None
-        return float(srt.run_cost(np.array([a]), np.array([k]))[0]) + per_micro
-
-    c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, np.full(D * K - m, per_micro)])
-    cur = _time(c, D, K, sync)
-    moves = 0
-    improved = True
-    while improved and moves < MAX_MOVES:
-        improved = False
-        desc = np.argsort(-c, kind="stable")
-        heads = desc[::D]  # the heaviest bin of every slot (arrange cuts sorted costs into slots of dp)
-        for j in [int(x) for x in heads if x < m] + [int(x) for x in desc[1::D] if x < m]:
-            for e in (j, j + 1):             # a boundary of run j (index into bnd)
-                if e <= 0 or e >= m:
-                    continue
-                for d in (-1, 1, -2, 2):
-                    moves += 1
-                    x = int(bnd[e]) + d
-                    if not bnd[e - 1] < x < bnd[e + 1]:
-                        continue
-                    left, right = run(int(bnd[e - 1]), x), run(x, int(bnd[e + 1]))
-                    if left is None or right is None:
-                        continue
-                    old = c[e - 1], c[e]
-                    c[e - 1], c[e] = left, right
-                    t = _time(c, D, K, sync)
-                    if t < cur * (1 - 1e-12):
-                        bnd[e], cur, improved = x, t, True
-                        break
-                    c[e - 1], c[e] = old
-                if improved:
-                    break
-            if improved:
-                break
-    return bnd.tolist()
-
-
-def _halves(srt: _Sorted, a: int, e: int, caps: tuple) -> tuple[int, float, float] | None:
-    """The cut x of the run [a, e) (two samples or more) whose halves' costlier one is cheapest."""
-    x = np.arange(a + 1, e)
-    left = srt.run_cost(np.full(x.size, a), x - a)
-    right = srt.run_cost(x, e - x)
-    j = int(np.argmin(np.maximum(left, right)))
-    return int(x[j]), float(left[j]), float(right[j])
-
-
-def _merge_split(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float) -> list[int] | None:
-    """The best lockstep move that merges two adjacent runs and cuts another in two (the count
-    stays): it lets a slot take a run of two short neighbours while another slot's head halves;
-    None when no move lowers the time. All pairs are scored at once (lockstep only)."""
-    bnd = np.array(b, dtype=np.int64)
-    m = bnd.size - 1
-    k = np.diff(bnd)
-    if m < 3 or m > MERGE_SPLIT_MAX_RUNS or not (k > 1).any():
-        return None
-    c = srt.run_cost(bnd[:-1], k) + per_micro
-    pad = np.full(D * K - m, per_micro)
-    cur = float(np.sort(np.concatenate([c, pad]))[::-1][::D].sum())
-    ok = np.array([_fits(srt, int(bnd[j]), int(bnd[j + 2]), caps) for j in range(m - 1)])
-    merged = srt.run_cost(bnd[:-2], k[:-1] + k[1:]) + per_micro
-    cuts = {r: _halves(srt, int(bnd[r]), int(bnd[r + 1]), caps) for r in np.flatnonzero(k > 1)}
-    cand, moves = [], []
-    for j in np.flatnonzero(ok):
-        for r, (x, lft, rgt) in cuts.items():
-            if r in (j, j + 1):
-                continue
-            v = c.copy()
-            v[j], v[j + 1] = merged[j], np.nan
-            v[r] = lft + per_micro
-            cand.append(np.concatenate([v[~np.isnan(v)], [rgt + per_micro], pad]))
-            moves.append((int(j), int(r), x))
-    if not cand:
-        return None
-    t = np.sort(np.array(cand), axis=1)[:, ::-1][:, ::D].sum(axis=1)
-    i = int(np.argmin(t))
-    if t[i] >= cur * (1 - 1e-12):
-        return None
-    j, r, x = moves[i]
-    out = [int(v) for v in bnd if v != bnd[j + 1]] + [x]
-    return sorted(out)
-
-
-def _run_table(srt: _Sorted, caps: tuple) -> np.ndarray:
-    """C[a, e]: cost of the run [a, e) (inf when empty, reversed or over a cap); small steps only."""
-    n = srt.n
-    a, e = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    ok = e > a
-    C = np.full((n + 1, n + 1), np.inf)
-    C[ok] = srt.run_cost(a[ok], e[ok] - a[ok])
-    for i, j in zip(*np.nonzero(ok)):
-        if not _fits(srt, int(i), int(j), caps):
-            C[i, j] = np.inf
-    return C
-
-
-def _relocate(C: np.ndarray, b: list[int], D: int, K: int, per_micro: float, depth: int) -> list[int] | None:
-    """The best move of ``depth`` inner boundaries to new places (lockstep), None if none helps."""
-    bnd = np.array(b, dtype=np.int64)
-    n, m = int(bnd[-1]), bnd.size - 1
-    inner, free = bnd[1:-1], np.setdiff1d(np.arange(1, n), bnd)
-    if inner.size < depth or free.size < depth:
-        return None
-    rm = np.array(list(combinations(range(inner.size), depth)), dtype=np.int64).reshape(-1, depth)
-    add = np.array(list(combinations(free.tolist(), depth)), dtype=np.int64).reshape(-1, depth)
-    keep = np.ones((rm.shape[0], inner.size), dtype=bool)
-    keep[np.repeat(np.arange(rm.shape[0]), depth), rm.ravel()] = False
-    kept = np.broadcast_to(inner, keep.shape)[keep].reshape(rm.shape[0], -1)
-    rows = np.concatenate([np.repeat(kept, add.shape[0], axis=0), np.tile(add, (rm.shape[0], 1))], axis=1)
-    rows = np.sort(rows, axis=1)
-    full = np.concatenate([np.zeros((rows.shape[0], 1), np.int64), rows, np.full((rows.shape[0], 1), n)], axis=1)
-    c = C[full[:, :-1], full[:, 1:]] + per_micro
-    c = np.concatenate([c, np.full((c.shape[0], D * K - m), per_micro)], axis=1)
-    t = np.sort(c, axis=1)[:, ::-1][:, ::D].sum(axis=1)
-    cur = C[bnd[:-1], bnd[1:]] + per_micro
-    now = float(np.sort(np.concatenate([cur, np.full(D * K - m, per_micro)]))[::-1][::D].sum())
-    i = int(np.argmin(t))
-    return full[i].tolist() if t[i] < now * (1 - 1e-12) else None
-
-
-def _relocations(C: np.ndarray, b: list[int], D: int, K: int, per_micro: float) -> list[int]:
-    """Move one boundary, else two, to where the lockstep time falls most, while it falls."""
-    for _ in range(RELOCATE_ROUNDS):
-        nb = _relocate(C, b, D, K, per_micro, 1)
-        if nb is None and comb(len(b) - 2, 2) * comb(int(b[-1]) - len(b) + 1, 2) <= RELOCATE_PAIRS:
-            nb = _relocate(C, b, D, K, per_micro, 2)
-        if nb is None:
-            break
-        b = nb
-    return b
-
-
-def _fits(srt: _Sorted, a: int, e: int, caps: tuple) -> bool:
-    """Whether the run [a, e) keeps the caps."""
-    cap, max_count, vcap = caps
-    k = e - a
-    if max_count is not None and k > max_count:
-        return False
-    if cap is not None and k * int(srt.width(np.array([a]), np.array([k]))[0]) > cap:
-        return False
-    return vcap is None or srt.vcum[e] - srt.vcum[a] <= vcap  # type: ignore[index]
-
-
-def _search(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float, sync: str) -> list[int]:
-    """Boundary moves, then (lockstep) merge-and-cut moves, alternating while the time falls."""
-    b = _improve(srt, b, D, K, caps, per_micro, sync)
-    if sync == "micro" and srt.n <= RELOCATE_MAX_SAMPLES and len(b) > 2:
-        return _relocations(_run_table(srt, caps), b, D, K, per_micro)
-    for _ in range(MERGE_SPLIT_ROUNDS if sync == "micro" else 0):
-        nb = _merge_split(srt, b, D, K, caps, per_micro)
-        if nb is None:
-            break
-        b = _improve(srt, nb, D, K, caps, per_micro, sync)
-    return b
+    bounds: list[int]
+    time: float
 
 
 def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float, sync: str,
-             start: list[int] | None = None) -> tuple[np.ndarray, float] | None:
-    """bin_of (in the input order) and predicted time for m bins, or None if the caps need more;
-    ``start``: run boundaries to start the local search from (default: the min-max runs)."""
+             start: list[int] | None = None, deep: bool = False) -> _Runs | None:
+    """m runs and their predicted time, or None if the caps need more; ``start``: run boundaries
+    to start the local search from (default: the min-max runs); ``deep``: every move of
+    ``padded_search.py``, else boundary moves only (K is chosen on those)."""
     b = runs_for_bins(srt, m, caps) if start is None else start
     if b is None:
         return None
-    b = _search(srt, b, D, K, caps, per_micro, sync)
+    b = local_search(srt, b, D, K, caps, per_micro, sync, deep=deep)
     bnd = np.array(b, dtype=np.int64)
-    run_of = np.repeat(np.arange(bnd.size - 1), np.diff(bnd))
-    bin_of = np.empty(srt.n, dtype=np.int64)
-    bin_of[srt.order] = run_of
     c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, np.full(D * K - m, per_micro)])
-    return bin_of, _time(c, D, K, sync)
+    return _Runs(b, predicted_time(c, D, K, sync))
+
+
+def _bin_of(srt: _Sorted, b: list[int]) -> np.ndarray:
+    """The bin of every sample (input order) for run boundaries b of the sorted samples."""
+    bnd = np.array(b, dtype=np.int64)
+    bin_of = np.empty(srt.n, dtype=np.int64)
+    bin_of[srt.order] = np.repeat(np.arange(bnd.size - 1), np.diff(bnd))
+    return bin_of
 
 
 def _best_at(srt: _Sorted, K: int, D: int, caps: tuple, pm: float, sync: str,
-             levels: list[int] | None, minmax: bool = True) -> tuple[np.ndarray, float] | None:
+             levels: list[int] | None, minmax: bool = True) -> _Runs | None:
     """The better of the level DP's runs and the min-max runs at K, each locally improved."""
     m = min(srt.n, D * K)
     got = _bins_at(srt, m, D, K, caps, pm, sync) if minmax else None
     if levels is not None:
         alt = _bins_at(srt, m, D, K, caps, pm, sync, start=levels)
-        if alt is not None and (got is None or alt[1] < got[1]):
+        if alt is not None and (got is None or alt.time < got.time):
             got = alt
     return got
 
 
 def _walk(srt: _Sorted, K0: int, dp: int, align: int, caps: tuple, pm: float,
-          sync: str) -> tuple[dict[int, float], dict[int, tuple[np.ndarray, int]]]:
+          sync: str) -> tuple[dict[int, float], dict[int, _Runs]]:
     """K from K0 up while the min-max packing's time improves (one step of patience, at most
     ``MAX_EVALS`` packings; past them, on to the first K that packs): (times, packings) by K."""
     n = srt.n
     tried: dict[int, float] = {}
-    found: dict[int, tuple[np.ndarray, int]] = {}
+    found: dict[int, _Runs] = {}
     K, worse = K0, 0
     while True:
         m = min(n, dp * K)
         got = _bins_at(srt, m, dp, K, caps, pm, sync)
-        t = float("inf") if got is None else got[1]
+        t = float("inf") if got is None else got.time
         tried[K] = t
         if got is not None:
-            found[K] = (got[0], m)
+            found[K] = got
         finite = [x for x in tried.values() if np.isfinite(x)]
         if np.isfinite(t) and len(finite) > 1 and t > min(finite) * (1 - 1e-12):
             worse += 1
@@ -492,14 +315,20 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
         lv = level_plans(srt, caps, bound, dp=dp, Ks=[K0], per_micro=pm, keep=1)
         got = _best_at(srt, K0, dp, caps, pm, sync, lv.runs.get(K0))
         assert got is not None  # a count cap of micro_batch_size always fits min(n, dp·K) runs
-        return PaddedPacking(got[0], min(n, dp * K0), K0, None)
+        got = _bins_at(srt, min(n, dp * K0), dp, K0, caps, pm, sync, start=got.bounds, deep=True)
+        return PaddedPacking(_bin_of(srt, got.bounds), min(n, dp * K0), K0, None)  # type: ignore[union-attr]
     tried, found = _walk(srt, K0, dp, align, caps, pm, sync)
     k_all = K0 + max(0, -(-(-(-n // dp) - K0) // align)) * align  # the least aligned K giving every sample a bin
     lv = level_plans(srt, caps, bound, dp=dp, Ks=list(range(K0, k_all + 1, align)), per_micro=pm)
-    for K, runs in lv.runs.items():  # the level DP's best K: its runs (and min-max runs where not packed yet)
-        got = _best_at(srt, K, dp, caps, pm, sync, runs, minmax=K not in found)
-        if got is not None and got[1] < tried.get(K, float("inf")):
-            tried[K], found[K] = got[1], (got[0], min(n, dp * K))
+    lead = min(lv.runs, key=lambda k: lv.times[k], default=None)
+    for K, runs in lv.runs.items():  # the level DP's best K: its runs (and at its best, min-max runs)
+        got = _best_at(srt, K, dp, caps, pm, sync, runs, minmax=K == lead and K not in found)
+        if got is not None and got.time < tried.get(K, float("inf")):
+            tried[K], found[K] = got.time, got
+    for K in sorted(found, key=lambda k: tried[k])[:DEEP]:  # every move for the best few K
+        got = _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=found[K].bounds, deep=True)
+        if got is not None and got.time < tried[K]:
+            tried[K], found[K] = got.time, got
     for K, t in lv.times.items():  # the DP's predicted time where nothing better was packed
         tried.setdefault(K, t)
     best_t = min(tried[k] for k in found)
@@ -508,13 +337,13 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
     why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K tried "
            f"({listing}) in the {s.padding.layout} layout: more micro-batches pad less but add per_micro "
            f"(lower bound K={K0} from the padded tokens)")
-    bin_of, m = found[K]
-    return PaddedPacking(bin_of, m, K, KChoice(K, K0, tuple(sorted(tried.items())), why))
+    return PaddedPacking(_bin_of(srt, found[K].bounds), min(n, dp * K), K, KChoice(K, K0, tuple(sorted(tried.items())), why))
 
 
 def pack_padded_at(s: PaddedSamples, *, m: int, K: int, cap: int | None, micro_batch_size: int | None,
                    vision_cap: int | None, cost: CostModel, sync: str) -> np.ndarray | None:
     """m bins of one rank's samples at a given K (local placement), or None if the caps need more."""
     caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
-    got = _bins_at(_Sorted(s, cost), m, 1, K, caps, float(cost.per_micro), sync)
-    return None if got is None else got[0]
+    srt = _Sorted(s, cost)
+    got = _bins_at(srt, m, 1, K, caps, float(cost.per_micro), sync, deep=True)
+    return None if got is None else _bin_of(srt, got.bounds)

@@ -11,21 +11,25 @@ This module plans *contiguous slots*: slot s takes a segment of the samples sort
    (``padded._max_run``; 0 when the sample alone costs more) and, by doubling, R_T(i): the
    furthest end dp greedy runs reach (greedy longest runs are optimal: a run's cost never grows
    when it loses samples). A slot can end anywhere in [i + dp, R_T(i)].
-2. DP, backwards: G_s(i) = min over T, j of T + G_{s-1}(j), the least Σ levels covering
-   samples i.. with s slots of exactly dp runs (j leaves dp samples for every later slot; the
-   min over j is a sparse-table range minimum). One pass over s = 1, 2, ... gives
-   ``K·per_micro + G_K(0)`` for every K with dp·K ≤ n; the pass stops when K·per_micro plus the
-   step's body bound (Σ lone-row costs / dp) reaches the best time found: K is searched over
-   the whole range the cost makes plausible, not walked.
-3. Levels: every distinct run cost when there are few (exact over contiguous slots), else a
-   geometric grid refined once around the chosen levels at the chosen K.
+2. DP, backwards: G_s(i) = min over T of T + G_{s-1}(j), the least Σ levels covering samples
+   i.. with s slots of exactly dp runs, j = min(R_T(i), n − dp·(s−1)) the furthest end that
+   leaves dp samples to every later slot (G is nearly non-increasing: a later start covers
+   less; a range minimum over [i + dp, j] gave the same small-step plans at several times the cost). One
+   pass over s = 1, 2, ... gives ``K·per_micro + G_K(0)`` for every K with dp·K ≤ n: K is
+   searched over the whole range, not walked. The pass stops at the last K asked for, when
+   K·per_micro plus the body bound (Σ lone-row costs / dp, or the costliest lone row) reaches
+   the best time found, or ``PATIENCE`` slots (half the best K, if more) past the best.
+3. Levels: every distinct run cost when there are at most ``EXACT_LEVELS`` (small steps), else
+   ``GRID_LEVELS`` quantiles of them.
 
-Guarantees: the runs returned number exactly dp·K, each within the caps (every run a sub-run of
-a greedy run within the caps); the DP's time is achievable (an upper bound on the predicted
-time of its runs). Not exact: slots of an optimal plan need not be contiguous (``padded.py``'s
-local search moves boundaries afterwards). Measured (benchmarks/bench_layouts.py, 12-sample
-steps, dp 2–3): see ``padded.py``'s note. Cost: O(S·|T|·n) for S slots tried: ~5–40 ms at
-n = 0.1–2k.
+Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-run of a greedy
+run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
+most it: ``assign.arrange`` does no worse than the DP's slots). Not exact: an optimal plan's
+slots need not be contiguous in the sorted order (``padded_search.py``'s moves take it from
+there). Measured (benchmarks/bench_layouts.py): on 12-sample steps the DP's K is the optimum's
+K in most steps, where the min-max walk stopped early (plan/optimum worst 1.20 -> 1.05 with
+boundary moves alone); on the large grid it wins the K choice in ~40% of the steps. Cost:
+O(S·|T|·n) for S slots: 10–110 ms at n = 0.1–2k (2 cores, shared).
 """
 
 from __future__ import annotations
@@ -36,10 +40,8 @@ import numpy as np
 
 __all__ = ["LevelPlans", "level_plans"]
 
-EXACT_LEVELS = 600   # all distinct run costs are the level set when there are at most this many
-GRID_LEVELS = 32     # else a geometric grid of this many levels ...
-REFINE = 12          # ... refined with this many levels between the grid neighbours of each chosen level
-REFINED = 0          # ... for this many of the best K
+EXACT_LEVELS = 200   # all distinct run costs are the level set when there are at most this many
+GRID_LEVELS = 32     # else this many quantiles of them (64, or a refined grid: no better, 1.4-3x slower)
 PATIENCE = 4         # slots tried past the best K before the pass stops (or half the best K, if more)
 
 
@@ -47,11 +49,11 @@ class LevelPlans(NamedTuple):
     """The DP's predicted time for every K it reached and a way to build the runs of one."""
 
     times: dict[int, float]   # K -> K·per_micro + Σ levels (inf when no contiguous-slot plan fits)
-    runs: dict[int, list[int]]  # K -> run boundaries [0, ..., n] of the best K's (filled by :func:`level_plans`)
+    runs: dict[int, list[int]]  # K -> run boundaries [0, ..., n] of the plans of the best K
 
 
 def _levels(srt, bound: np.ndarray) -> np.ndarray:
-    """Candidate slot levels: every run cost when few, else a geometric grid over their range."""
+    """Candidate slot levels: every run cost when few, else quantiles of them."""
     n = srt.n
     if int(bound.sum()) <= EXACT_LEVELS:
         a = np.repeat(np.arange(n), bound)
@@ -59,7 +61,8 @@ def _levels(srt, bound: np.ndarray) -> np.ndarray:
         return np.unique(srt.run_cost(a, k))
     a = np.repeat(np.arange(n), bound)  # every run's cost, their quantiles as levels
     k = np.arange(a.size) - np.repeat(np.cumsum(bound) - bound, bound) + 1
-    return np.unique(np.quantile(srt.run_cost(a, k), np.linspace(0, 1, GRID_LEVELS)))
+    c = np.sort(srt.run_cost(a, k))
+    return np.unique(c[np.linspace(0, c.size - 1, GRID_LEVELS).round().astype(np.int64)])
 
 
 def _steps(srt, T: np.ndarray, bound: np.ndarray, caps: tuple) -> np.ndarray:
@@ -94,26 +97,26 @@ class _Layer(NamedTuple):
 
 
 def _dp(reach: np.ndarray, T: np.ndarray, dp: int, stop) -> tuple[list[np.ndarray], list[_Layer]]:
-    """Backward layers G_1, G_2, ... until ``stop(s, G_s[0])`` says so (module note, step 2)."""
-    nt, n1 = reach.shape
-    n = n1 - 1
-    g = np.full(n1, np.inf)
+    """Backward layers G_1, G_2, ... until ``stop(s, G_s[0])`` says so (module note, step 2).
+    G_s has n + 2 entries: positions 0..n and an infinite sentinel that index -1 reaches."""
+    n = reach.shape[1] - 1
+    starts = np.arange(n)
+    end0 = np.where(reach[:, :n] - starts >= dp, reach[:, :n], -1)  # -1: dp runs within T do not fit
+    g = np.full(n + 2, np.inf)
     g[n] = 0.0
     gs, layers = [g], []
-    starts = np.arange(n)
     s = 0
     while (s + 1) * dp <= n:
         s += 1
-        lim = n - dp * (s - 1)
-        lo = np.broadcast_to(starts + dp, (nt, n))
-        hi = np.minimum(reach[:, :n], lim)
-        ok = hi >= lo
-        j = np.where(ok, hi, n)  # the furthest end (G is nearly monotone: later starts cover less)
-        val = np.where(ok, T[:, None] + g[j], np.inf)
+        lim = n - dp * (s - 1)     # leave dp samples to every later slot
+        cols = lim - dp + 1        # the starts that leave this slot dp samples
+        end = np.minimum(end0[:, :cols], lim)  # the furthest end (-1 stays -1)
+        val = T[:, None] + g[end]
         best = np.argmin(val, axis=0)
-        g_new = np.full(n1, np.inf)
-        g_new[:n] = val[best, starts]
-        layers.append(_Layer(np.where(np.isfinite(g_new[:n]), best, -1), j[best, starts]))
+        at = starts[:cols]
+        g_new = np.full(n + 2, np.inf)
+        g_new[:cols] = val[best, at]
+        layers.append(_Layer(np.where(np.isfinite(g_new[:cols]), best, -1), end[best, at]))
         g = g_new
         gs.append(g)
         if stop(s, float(g[0])):
@@ -178,33 +181,7 @@ def level_plans(srt, caps: tuple, bound: np.ndarray, *, dp: int, Ks: list[int], 
         return s >= Ks[-1] or (s >= Ks[0] and (s * per_micro + body >= best[0] or past))
 
     T = _levels(srt, bound)
-    grid = int(bound.sum()) > EXACT_LEVELS
-    reach = _reach(_steps(srt, T, bound, caps), dp)
-    gs, layers = _dp(reach, T, dp, stop)
+    gs, layers = _dp(_reach(_steps(srt, T, bound, caps), dp), T, dp, stop)
     times = {K: K * per_micro + float(gs[K][0]) for K in Ks if K < len(gs)}
     finite = sorted((t, K) for K, t in times.items() if np.isfinite(t))
-    runs: dict[int, list[int]] = {}
-    for r, (_, K) in enumerate(finite[:keep]):
-        TK, lay = T, layers
-        if grid and r < REFINED:  # refine the grid around the levels this K chose
-            TK = _refined(T, _chosen(layers, K))
-            _, lay = _dp(_reach(_steps(srt, TK, bound, caps), dp), TK, dp, lambda s, g0: s >= K)
-            times[K] = min(times[K], K * per_micro + float(_[K][0]))
-        runs[K] = _runs_of(srt, TK, lay, K, dp, bound, caps)
-    return LevelPlans(times, runs)
-
-
-def _chosen(layers: list[_Layer], K: int) -> list[int]:
-    out, i = [], 0
-    for s in range(K, 0, -1):
-        out.append(int(layers[s - 1].level[i]))
-        i = int(layers[s - 1].end[i])
-    return out
-
-
-def _refined(T: np.ndarray, chosen: list[int]) -> np.ndarray:
-    pts = [T]
-    for t in set(chosen):
-        lo, hi = T[max(t - 1, 0)], T[t]
-        pts.append(np.linspace(lo, hi, REFINE + 2)[1:-1])
-    return np.unique(np.concatenate(pts))
+    return LevelPlans(times, {K: _runs_of(srt, T, layers, K, dp, bound, caps) for _, K in finite[:keep]})
