@@ -38,6 +38,7 @@ __all__ = ["local_search", "predicted_time"]
 
 MAX_MOVES = 4000  # boundary moves tried per packing in the local search (step sync)
 MAX_ROUNDS = 400  # best-move rounds of the lockstep boundary search
+WIDE_MAX_RUNS = 160  # the deep search moves every boundary by up to 4 on steps of at most this many runs
 MERGE_SPLIT_MAX_RUNS = 64  # merge-and-cut moves are scored for steps of at most this many runs
 MERGE_SPLIT_ROUNDS = 16    # ... at most this many times per packing
 MERGE_SPLIT_ALL_RUNS = 64  # ... cutting any run up to this many runs, else one of the two costliest of a slot
@@ -133,10 +134,11 @@ def _fit_mask(srt: _Sorted, a: np.ndarray, e: np.ndarray, caps: tuple) -> np.nda
     return ok
 
 
-def _improve_lockstep(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float) -> list[int]:
+def _improve_lockstep(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float,
+                      wide: bool = False) -> list[int]:
     """:func:`_improve` under lockstep, every candidate of a round scored at once: the boundaries
     of each slot's two costliest runs move by one or two samples, the best move is kept, while
-    the time falls (at most ``MAX_ROUNDS`` rounds)."""
+    the time falls (at most ``MAX_ROUNDS`` rounds). ``wide``: every boundary, by up to four."""
     bnd = np.array(b, dtype=np.int64)
     m = bnd.size - 1
     if m < 2:
@@ -144,10 +146,10 @@ def _improve_lockstep(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, p
     pad = np.full(D * K - m, per_micro)
     c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, pad])
     cur = float(_lockstep(c, D))
-    steps = np.array([-1, 1, -2, 2])
+    steps = np.array([-1, 1, -2, 2, -3, 3, -4, 4] if wide else [-1, 1, -2, 2])
     for _ in range(MAX_ROUNDS):
         desc = np.argsort(-c, kind="stable")
-        runs = np.unique(np.concatenate([desc[::D], desc[1::D]]))
+        runs = np.arange(m) if wide else np.unique(np.concatenate([desc[::D], desc[1::D]]))
         runs = runs[runs < m]
         e = np.unique(np.concatenate([runs, runs + 1]))
         e = e[(e > 0) & (e < m)]
@@ -284,6 +286,8 @@ def local_search(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_mi
     b = _improve(srt, b, D, K, caps, per_micro, sync)
     if not deep:
         return b
+    if sync == "micro" and len(b) - 1 <= WIDE_MAX_RUNS:
+        b = _improve_lockstep(srt, b, D, K, caps, per_micro, wide=True)
     if sync == "micro" and srt.n <= RELOCATE_MAX_SAMPLES and len(b) > 2:
         return _relocations(_run_table(srt, caps), b, D, K, per_micro)
     for _ in range(MERGE_SPLIT_ROUNDS if sync == "micro" else 0):
