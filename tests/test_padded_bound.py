@@ -136,3 +136,16 @@ def test_level_plans_are_achievable_and_full(case):
         assert P.predicted_time(c, dp, K, "micro") <= lv.times[K] * (1 + 1e-9)
         opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult, placeholders=False)
         assert lv.times[K] >= opt.time * (1 - 1e-9)
+
+
+def test_heads_the_longest_samples_force():
+    # three samples of 10 on dp=2, none may share a row pair (cap 10): three runs in two slots, the
+    # heads are 10 + 10 = 20 — the padding volume alone says 30 / 2 = 15 (padded_bound fact 3)
+    cost = mp.FlopsCost(linear=1.0)
+    lens = np.array([10, 10, 10])
+    assert padded_optimum(lens, dp=2, cap=10, cost=cost).time == 20.0
+    b = padded_lower_bound(lens, dp=2, cap=10, cost=cost)
+    assert b.time == 20.0 and b.volume == 15.0
+    # with room for pairs (cap 20) slot 0 may hold [10, 10] (cost 20) beside [10]: still 20 in
+    # one slot, and the bound may not claim more than the optimum
+    assert padded_lower_bound(lens, dp=2, cap=20, cost=cost).time <= padded_optimum(lens, dp=2, cap=20, cost=cost).time
