@@ -7,35 +7,39 @@ sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs 
 *contiguous runs* of the samples sorted by length (descending; 2D: by response length in
 quarter-octave buckets, then by prompt length, so a run shares both its longest prompt and its
 longest response — measured 1.09 padded/real tokens against 1.15 when sorting 2D rows by total
-length). For a given number of bins m:
+length). Two ways to cut them, each polished by ``padded_search.py``:
 
-1. Bisection on a cost target τ: from each run start a, the run takes the most samples whose
-   padded cost stays <= τ and whose footprint (and vision tokens) stay under the caps
-   (vectorised for every start at once; sparse-table range maxima for the 2D width). The
-   smallest τ whose runs number <= m is the min-max partition; runs are split (costliest first)
-   until there are exactly m.
-2. Local search on the lockstep time: bins are arranged as ``assign.arrange`` will arrange them
-   (sorted costs cut into slots of dp), and run boundaries next to each slot's heaviest bin move
-   by one or two samples while the predicted time falls (bounded by ``MAX_MOVES``).
-3. K: from its lower bound (padded tokens, the vision cap), the K of lowest predicted time is
-   kept — more, smaller micro-batches pad less but add ``per_micro`` — walking up while the time
-   improves (one step of patience, at most ``MAX_EVALS`` packings); every K tried is recorded in
-   the step's :class:`KChoice`. Static batching (``micro_batch_size``) runs the same with a
-   count cap and K fixed by it.
+1. Min-max runs for m bins: a bisection on a cost target τ; from each run start a, the run takes
+   the most samples whose padded cost stays <= τ and whose footprint (and vision tokens) stay
+   under the caps (vectorised for every start at once; sparse-table range maxima for the 2D
+   width). The smallest τ whose runs number <= m is the min-max partition; runs are split
+   (costliest first) until there are exactly m. Every micro-batch gets the same budget.
+2. Slot levels (``padded_levels.py``): a DP over the sorted samples gives each slot of dp
+   micro-batches its own level (the longest samples alone in slot 0, the short tail cut fine in
+   a cheap last slot) and predicts the time of every K at once.
+
+K: the min-max walk from K's lower bound (padded tokens, the vision cap) up while the time
+improves (one step of patience, at most ``MAX_EVALS`` packings), plus the level DP's three best
+K over the whole range up to one sample per bin (its pass stops once K·per_micro plus the
+step's body bound passes the best time); K is chosen on boundary moves, then the ``DEEP`` best
+K get every move of ``padded_search.py`` and the lowest predicted time wins. Every K tried is
+recorded in the step's :class:`KChoice` (the DP's own prediction where it was not packed).
+Static batching (``micro_batch_size``) runs the same with a count cap and K fixed by it.
 
 Guarantees: every bin non-empty (placeholders only when the step has fewer samples than dp·K),
-within the cap counting padding and within the vision cap; deterministic. The 2D width of a
-run is the max prompt plus the max response over the run, exactly what ``pack_micro`` builds.
-Measured (benchmarks/bench_layouts.py, 7B cost, long-tailed and step-wise families, dp 8–32,
-medians): 1.013–1.017 padded/real tokens, 0 micro-batches over the cap, lockstep 1.056–1.063×
-the varlen lower bound (NeMo-RL's sorted buckets: 1.19–1.20 padded/real, 1.26–1.33×; a fixed
-micro_batch_size: 3.7–3.8×). Trade-off: balance within the padded cost is 1.04–1.05× its own
-bound — a padded micro-batch costs a whole multiple of its row, so with 2–10 samples per
-micro-batch slots cannot be evened finer; against the granularity-aware bound of
-``padded_bound.py`` the plan is 1.046–1.054× (median), and on 12-sample steps 1.014–1.034× the
-exhaustive optimum (median, ``benchmarks/padded_optimum.py``; worst 1.20 when the K walk stops
-below the optimum's K). Cost: O(n log n) per τ, ~30 τ per K, a few K: 10–25 ms
-at n = 0.1–2k (2D: 70–200 ms).
+within the cap counting padding and within the vision cap; deterministic; never slower than the
+min-max walk alone (its packings are candidates). The 2D width of a run is the max prompt plus
+the max response over the run, exactly what ``pack_micro`` builds. Measured
+(benchmarks/bench_layouts.py --quick, 7B cost, dp 8/32, 3 seeds, medians by family):
+1.011–1.022 padded/real tokens, 0 micro-batches over the cap, lockstep 1.037–1.052× the
+granularity-aware bound of ``padded_bound.py`` (the min-max walk alone: 1.046–1.054×; worst
+1.116 -> 1.110) and 1.043–1.064× the varlen lower bound; on 12-sample steps (48, dp 2–3) within
+1.0056 of the exhaustive optimum without placeholders in every step (median 1.0000; the walk
+alone: median 1.027, worst 1.20, stopping below the optimum's K). NeMo-RL's sorted buckets pad
+1.18–1.22× (1.21–1.32× the varlen bound); a fixed micro_batch_size runs 2.8–4.5× it.
+Trade-off: the DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
+quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
+0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
 """
 
 from __future__ import annotations

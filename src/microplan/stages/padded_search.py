@@ -5,20 +5,25 @@ runs, or the slot levels of ``padded_levels.py``); the predicted time of the run
 their costs as ``assign.arrange`` lays them out (lockstep: Σ of every dp-th cost in descending
 order). Moves, each kept only when that time falls:
 
-1. Boundary moves: a boundary next to a slot's heaviest (or second) run moves by one or two
-   samples (at most ``MAX_MOVES`` tried).
-2. Merge-and-cut (lockstep, at most ``MERGE_SPLIT_MAX_RUNS`` runs): two neighbouring runs merge
-   and another run is cut where its halves are most even, the count kept — a slot can then hold
-   a run of two short neighbours beside long singles while another slot's head halves (slots of
-   an optimal plan need not be neighbours in the sorted order). All pairs are scored at once.
-3. Relocations (lockstep, steps of at most ``RELOCATE_MAX_SAMPLES`` samples): any one, else any
-   two, inner boundaries move anywhere, scored at once on a table of every run's cost.
+1. Boundary moves: a boundary of a slot's heaviest (or second) run moves by one or two
+   samples. Under lockstep every such move of a round is scored at once and the best kept (at
+   most ``MAX_ROUNDS`` rounds; step sync: first improvement, at most ``MAX_MOVES`` tried).
+   K is chosen on these moves alone (``deep=False``); the deep search below runs on the best K.
+2. Wide boundary moves (deep, at most ``WIDE_MAX_RUNS`` runs): every boundary, by up to four.
+3. Merge-and-cut (deep, lockstep, at most ``MERGE_SPLIT_MAX_RUNS`` runs): two neighbouring runs
+   merge and another run is cut where its halves are most even, the count kept — a slot can
+   then hold a run of two short neighbours beside long singles while another slot's head halves
+   (slots of an optimal plan need not be neighbours in the sorted order). All pairs at once.
+4. Relocations (deep, lockstep, steps of at most ``RELOCATE_MAX_SAMPLES`` samples): any one,
+   else any two, inner boundaries move anywhere, scored at once on a table of every run's cost.
 
 Guarantees: every run stays non-empty and within the caps, the count of runs is kept, the time
-never rises; deterministic. Measured (benchmarks/bench_layouts.py, 12-sample steps, dp 2–3,
-48 steps): with moves 2–3 the plan is within 1.0016 of the exhaustive optimum without
-placeholders in every step (boundary moves alone: worst 1.05). Cost: moves 2 score
-O(m²) candidates per round (~1–5 ms at m = 64); moves 3 at most 40k pairs per round (~10 ms).
+never rises; deterministic. Measured (benchmarks/bench_layouts.py --quick): on 12-sample steps
+(48, dp 2–3) the plan is within 1.0056 of the exhaustive optimum without placeholders in every
+step (the level DP's runs with boundary moves alone: worst 1.05); on the large grid the wide
+moves take rows up to 1.2% lower (grpo-longtail dp 32 seed 0: 1.0724 -> 1.0660 the bound; the
+worst row 1.1133 -> 1.1095) for a third more plan time. Cost: a lockstep round scores O(K·m) moves at
+O(m log m) each (~0.2–3 ms); moves 3 score O(m²) per round; moves 4 at most 40k pairs per round.
 """
 
 from __future__ import annotations
