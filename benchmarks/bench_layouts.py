@@ -196,8 +196,8 @@ def format_small(rows: list[dict]) -> str:
                f"{every('plan_bound'):>16}{np.mean([r['K'] == r['K_opt'] for r in rows]):>9.0%}")
     out += ["", f"{'family':<20}{'seed':>5}{'dp':>4}{'K':>4}{'K_opt':>6}{'K_full':>7}{'plan/opt':>10}{'plan/full':>10}"
             f"{'opt/LB':>8}"]
-    out += [f"{r['family']:<20}{r['seed']:>5}{r['dp']:>4}{r['K']:>4}{r['K_opt']:>6}{r['K_full']:>7}{r['plan_opt']:>10.4f}"
-            f"{r['plan_full']:>10.4f}{r['opt_bound']:>8.4f}" for r in rows]
+    out += [f"{r['family']:<20}{r['seed']:>5}{r['dp']:>4}{r['K']:>4}{r['K_opt']:>6}{r['K_full']:>7}"
+            f"{r['plan_opt']:>10.4f}{r['plan_full']:>10.4f}{r['opt_bound']:>8.4f}" for r in rows]
     return "\n".join(out)
 
 

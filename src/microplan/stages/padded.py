@@ -3,7 +3,8 @@
 Design note. In a padded layout a micro-batch of n samples is an ``[n, W]`` tensor, W its
 longest sample (``padded-2d``: longest prompt + longest response) rounded up to the width
 multiple; it occupies n·W tokens and costs n·r(W) + per_micro: every row runs as its own
-sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs of a masked row). Padding is low when a micro-batch holds samples of similar length, so bins are
+sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs of a masked
+row). Padding is low when a micro-batch holds samples of similar length, so bins are
 *contiguous runs* of the samples sorted by length (descending; 2D: by response length in
 quarter-octave buckets, then by prompt length, so a run shares both its longest prompt and its
 longest response — measured 1.09 padded/real tokens against 1.15 when sorting 2D rows by total
@@ -341,7 +342,8 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
     why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K tried "
            f"({listing}) in the {s.padding.layout} layout: more micro-batches pad less but add per_micro "
            f"(lower bound K={K0} from the padded tokens)")
-    return PaddedPacking(_bin_of(srt, found[K].bounds), min(n, dp * K), K, KChoice(K, K0, tuple(sorted(tried.items())), why))
+    choice = KChoice(K, K0, tuple(sorted(tried.items())), why)
+    return PaddedPacking(_bin_of(srt, found[K].bounds), min(n, dp * K), K, choice)
 
 
 def pack_padded_at(s: PaddedSamples, *, m: int, K: int, cap: int | None, micro_batch_size: int | None,
