@@ -40,8 +40,13 @@ def _bin_cost(w: int, k: int, cost) -> float:
     return float(cost.per_micro) + k * float(row_costs(cost, np.array([float(w)]), k)[0])
 
 
-def padded_optimum(lens, *, dp: int, cap: int | None, cost, width_multiple: int = 1) -> PaddedOptimum:
-    """The least padded lockstep time over every plan of these samples on dp ranks (exhaustive)."""
+def padded_optimum(lens, *, dp: int, cap: int | None, cost, width_multiple: int = 1,
+                   placeholders: bool = True) -> PaddedOptimum:
+    """The least padded lockstep time over every plan of these samples on dp ranks (exhaustive).
+
+    ``placeholders=False``: only plans without placeholder micro-batches where the samples allow
+    (exactly min(n, dp·K) runs: the planner's contract under ``short_step``).
+    """
     L = -np.sort(-np.asarray(lens, dtype=np.int64))
     W = -(-L // width_multiple) * width_multiple
     n = int(L.size)
@@ -54,6 +59,8 @@ def padded_optimum(lens, *, dp: int, cap: int | None, cost, width_multiple: int 
                 continue
             c = [_bin_cost(int(W[b[i]]), b[i + 1] - b[i], cost) for i in range(m)]
             for k in range(K, -(-n // dp) + 1):  # more slots than runs: placeholders
+                if not placeholders and m != min(n, dp * k):
+                    continue
                 t = lockstep_of(np.array(c), dp, k, cost.per_micro)
                 if t < best.time:
                     best = PaddedOptimum(t, k, b)

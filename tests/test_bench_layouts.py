@@ -81,3 +81,16 @@ def test_microplan_padded_pads_less_than_the_peers(family):
     by = {r["planner"]: r for r in rows}
     assert by["microplan"]["over_cap"] == 0
     assert by["microplan"]["real_ratio"] < min(by["sorted-buckets"]["real_ratio"], by["fixed-mbs"]["real_ratio"])
+
+
+def test_small_steps_against_the_optimum():
+    cost = dense_7b_cost()
+    rows = bench_layouts.small_cases(["grpo-longtail"], cost, seeds=2)
+    assert [r["seed"] for r in rows] == [0, 1]
+    for r in rows:  # the optimum without placeholders is never below the one with them, nor the plan below it
+        assert r["plan_opt"] >= r["plan_full"] * (1 - 1e-9) and r["plan_full"] >= 1 - 1e-9
+        assert r["opt_bound"] >= 1 - 1e-9
+    text = bench_layouts.format_small(rows)
+    assert "plan/opt_full" in text and len(text.splitlines()) == 3 + 1 + 2 + len(rows)
+    assert all(line.endswith(("ok", "MISS")) or "ok)" in line or "MISS)" in line
+               for line in bench_layouts.check_small(rows))

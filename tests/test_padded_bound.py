@@ -81,3 +81,71 @@ def test_the_planner_is_never_below_the_bound(case):
     opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult)
     got = sum(max(_padded_cost(m.seq_lens, mult, cost) for m in col) for col in zip(*plan.steps[0].micros))
     assert b.time <= opt.time * (1 + 1e-9) <= got * (1 + 1e-9)
+
+
+def _plan_lockstep(lens, dp, cap, cost, mult=1):
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, layout="padded", pad_to_multiple_of=mult)
+    plan = mp.plan(mp.Batch(np.asarray(lens).tolist()), cfg)
+    return plan, sum(max(_padded_cost(m.seq_lens, mult, cost) for m in col) for col in zip(*plan.steps[0].micros))
+
+
+def test_the_k_search_reaches_the_optimum_k():
+    # bench_layouts' small step grpo-longtail seed 5 (dp 3): the K walk stopped at K=3 with min-max
+    # runs (1.20x the optimum); the optimum is K=2 with the two longest alone in slot 0 and the
+    # tail cut fine in slot 1 — contiguous slots at two levels (stages/padded_levels.py)
+    from benchmarks.metrics import dense_7b_cost
+    cost = dense_7b_cost()
+    lens = np.array([15862, 13548, 3517, 2906, 2678, 2267, 1727, 1221, 595, 560, 313, 310])
+    opt = padded_optimum(lens, dp=3, cap=32768, cost=cost, placeholders=False)
+    plan, got = _plan_lockstep(lens, 3, 32768, cost)
+    assert opt.K == 2 and plan.steps[0].micro_count == 2
+    assert got <= opt.time * 1.01
+
+
+def test_slots_need_not_be_contiguous():
+    # bimodal seed 5 (dp 3): the optimum puts 10528+7357 in one run beside the two 16384s, and the
+    # three ~12k samples in slot 1 (slot 0's runs are not neighbours): a merge-and-cut move finds it
+    from benchmarks.metrics import dense_7b_cost
+    cost = dense_7b_cost()
+    lens = np.array([16384, 16384, 12298, 11892, 11300, 10528, 7357, 1083, 892, 711, 678, 376])
+    opt = padded_optimum(lens, dp=3, cap=49152, cost=cost, placeholders=False)
+    _, got = _plan_lockstep(lens, 3, 49152, cost)
+    assert got <= opt.time * 1.005
+
+
+@given(instances(max_n=9))
+def test_level_plans_are_achievable_and_full(case):
+    from microplan.footprint import Padding
+    from microplan.stages import padded as P
+    from microplan.stages.padded_levels import level_plans
+    lens, dp, cap, cost, mult = case
+    if int((-(-lens // mult) * mult).max()) > cap:
+        return
+    s = P.PaddedSamples(lens.astype(np.int64), None, None, None, Padding(layout="padded", sample_multiple=mult))
+    srt = P._Sorted(s, cost)
+    caps = (cap, None, None)
+    bound = P._cap_bound(srt, *caps)
+    Ks = list(range(1, lens.size // dp + 1))
+    lv = level_plans(srt, caps, bound, dp=dp, Ks=Ks, per_micro=float(cost.per_micro), keep=len(Ks))
+    for K, b in lv.runs.items():
+        b = np.array(b)
+        assert b[0] == 0 and b[-1] == lens.size and (np.diff(b) > 0).all() and b.size - 1 == dp * K
+        widths = srt.width(b[:-1], np.diff(b))
+        assert (np.diff(b) * widths <= cap).all()
+        c = srt.run_cost(b[:-1], np.diff(b)) + float(cost.per_micro)
+        assert P.predicted_time(c, dp, K, "micro") <= lv.times[K] * (1 + 1e-9)
+        opt = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult, placeholders=False)
+        assert lv.times[K] >= opt.time * (1 - 1e-9)
+
+
+def test_heads_the_longest_samples_force():
+    # three samples of 10 on dp=2, none may share a row pair (cap 10): three runs in two slots, the
+    # heads are 10 + 10 = 20 — the padding volume alone says 30 / 2 = 15 (padded_bound fact 3)
+    cost = mp.FlopsCost(linear=1.0)
+    lens = np.array([10, 10, 10])
+    assert padded_optimum(lens, dp=2, cap=10, cost=cost).time == 20.0
+    b = padded_lower_bound(lens, dp=2, cap=10, cost=cost)
+    assert b.time == 20.0 and b.volume == 15.0
+    # with room for pairs (cap 20) slot 0 may hold [10, 10] (cost 20) beside [10]: still 20 in
+    # one slot, and the bound may not claim more than the optimum
+    assert padded_lower_bound(lens, dp=2, cap=20, cost=cost).time <= padded_optimum(lens, dp=2, cap=20, cost=cost).time

@@ -3,39 +3,44 @@
 Design note. In a padded layout a micro-batch of n samples is an ``[n, W]`` tensor, W its
 longest sample (``padded-2d``: longest prompt + longest response) rounded up to the width
 multiple; it occupies n·W tokens and costs n·r(W) + per_micro: every row runs as its own
-sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs of a masked row). Padding is low when a micro-batch holds samples of similar length, so bins are
+sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs of a masked
+row). Padding is low when a micro-batch holds samples of similar length, so bins are
 *contiguous runs* of the samples sorted by length (descending; 2D: by response length in
 quarter-octave buckets, then by prompt length, so a run shares both its longest prompt and its
 longest response — measured 1.09 padded/real tokens against 1.15 when sorting 2D rows by total
-length). For a given number of bins m:
+length). Two ways to cut them, each polished by ``padded_search.py``:
 
-1. Bisection on a cost target τ: from each run start a, the run takes the most samples whose
-   padded cost stays <= τ and whose footprint (and vision tokens) stay under the caps
-   (vectorised for every start at once; sparse-table range maxima for the 2D width). The
-   smallest τ whose runs number <= m is the min-max partition; runs are split (costliest first)
-   until there are exactly m.
-2. Local search on the lockstep time: bins are arranged as ``assign.arrange`` will arrange them
-   (sorted costs cut into slots of dp), and run boundaries next to each slot's heaviest bin move
-   by one or two samples while the predicted time falls (bounded by ``MAX_MOVES``).
-3. K: from its lower bound (padded tokens, the vision cap), the K of lowest predicted time is
-   kept — more, smaller micro-batches pad less but add ``per_micro`` — walking up while the time
-   improves (one step of patience, at most ``MAX_EVALS`` packings); every K tried is recorded in
-   the step's :class:`KChoice`. Static batching (``micro_batch_size``) runs the same with a
-   count cap and K fixed by it.
+1. Min-max runs for m bins: a bisection on a cost target τ; from each run start a, the run takes
+   the most samples whose padded cost stays <= τ and whose footprint (and vision tokens) stay
+   under the caps (vectorised for every start at once; sparse-table range maxima for the 2D
+   width). The smallest τ whose runs number <= m is the min-max partition; runs are split
+   (costliest first) until there are exactly m. Every micro-batch gets the same budget.
+2. Slot levels (``padded_levels.py``): a DP over the sorted samples gives each slot of dp
+   micro-batches its own level (the longest samples alone in slot 0, the short tail cut fine in
+   a cheap last slot) and predicts the time of every K at once.
+
+K: the min-max walk from K's lower bound (padded tokens, the vision cap) up while the time
+improves (one step of patience, at most ``MAX_EVALS`` packings), plus the level DP's three best
+K over the whole range up to one sample per bin (its pass stops once K·per_micro plus the
+step's body bound passes the best time); K is chosen on boundary moves, then the ``DEEP`` best
+K get every move of ``padded_search.py`` and the lowest predicted time wins. Every K tried is
+recorded in the step's :class:`KChoice` (the DP's own prediction where it was not packed).
+Static batching (``micro_batch_size``) runs the same with a count cap and K fixed by it.
 
 Guarantees: every bin non-empty (placeholders only when the step has fewer samples than dp·K),
-within the cap counting padding and within the vision cap; deterministic. The 2D width of a
-run is the max prompt plus the max response over the run, exactly what ``pack_micro`` builds.
-Measured (benchmarks/bench_layouts.py, 7B cost, long-tailed and step-wise families, dp 8–32,
-medians): 1.013–1.017 padded/real tokens, 0 micro-batches over the cap, lockstep 1.056–1.063×
-the varlen lower bound (NeMo-RL's sorted buckets: 1.19–1.20 padded/real, 1.26–1.33×; a fixed
-micro_batch_size: 3.7–3.8×). Trade-off: balance within the padded cost is 1.04–1.05× its own
-bound — a padded micro-batch costs a whole multiple of its row, so with 2–10 samples per
-micro-batch slots cannot be evened finer; against the granularity-aware bound of
-``padded_bound.py`` the plan is 1.046–1.054× (median), and on 12-sample steps 1.014–1.034× the
-exhaustive optimum (median, ``benchmarks/padded_optimum.py``; worst 1.20 when the K walk stops
-below the optimum's K). Cost: O(n log n) per τ, ~30 τ per K, a few K: 10–25 ms
-at n = 0.1–2k (2D: 70–200 ms).
+within the cap counting padding and within the vision cap; deterministic; never slower than the
+min-max walk alone (its packings are candidates). The 2D width of a run is the max prompt plus
+the max response over the run, exactly what ``pack_micro`` builds. Measured
+(benchmarks/bench_layouts.py --quick, 7B cost, dp 8/32, 3 seeds, medians by family):
+1.011–1.022 padded/real tokens, 0 micro-batches over the cap, lockstep 1.037–1.052× the
+granularity-aware bound of ``padded_bound.py`` (the min-max walk alone: 1.046–1.054×; worst
+1.116 -> 1.110) and 1.043–1.064× the varlen lower bound; on 12-sample steps (48, dp 2–3) within
+1.0056 of the exhaustive optimum without placeholders in every step (median 1.0000; the walk
+alone: median 1.027, worst 1.20, stopping below the optimum's K). NeMo-RL's sorted buckets pad
+1.18–1.22× (1.21–1.32× the varlen bound); a fixed micro_batch_size runs 2.8–4.5× it.
+Trade-off: the DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
+quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
+0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
 """
 
 from __future__ import annotations
@@ -48,12 +53,13 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .assign import arrange
+from .padded_levels import level_plans
+from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
-MAX_EVALS = 12    # K values packed per step
-MAX_MOVES = 4000  # boundary moves tried per packing in the local search
+MAX_EVALS = 12    # K values packed per step by the min-max walk
+DEEP = 2          # the best K searched with every move of padded_search.py
 
 
 class PaddedSamples(NamedTuple):
@@ -232,84 +238,70 @@ def _split_to(srt: _Sorted, b: list[int], m: int) -> list[int]:
     return b
 
 
-def _time(costs: np.ndarray, D: int, K: int, sync: str) -> float:
-    """Predicted step time of dp·K micro-batch costs arranged by ``assign.arrange``.
+class _Runs(NamedTuple):
+    """A packing of the sorted samples: run boundaries [0, ..., n] and their predicted time."""
 
-    Under ``sync="micro"`` that is the sum of every dp-th cost in descending order (arrange cuts
-    the sorted costs into slots of dp); under ``"step"`` the arranged grid's heaviest rank.
-    """
-    if sync == "micro":
-        return float(np.sort(costs)[::-1][::D].sum())
-    grid = costs[arrange(costs, D, K)]
-    return float(grid.sum(axis=1).max())
+    bounds: list[int]
+    time: float
 
 
-def _improve(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_micro: float, sync: str) -> list[int]:
-    """Move run boundaries next to the heaviest bins while the predicted time falls."""
-    cap, max_count, vcap = caps
-    bnd = np.array(b, dtype=np.int64)
-    m = bnd.size - 1
-    if m < 2:
-        return b
-
-    def run(a: int, e: int) -> float | None:
-        """Cost of the run [a, e), or None when it breaks a cap."""
-        k = e - a
-        if k < 1 or (max_count is not None and k > max_count):
-            return None
-        if cap is not None and k * int(srt.width(np.array([a]), np.array([k]))[0]) > cap:
-            return None
-        if vcap is not None and srt.vcum[e] - srt.vcum[a] > vcap:  # type: ignore[index]
-            return None
-        return float(srt.run_cost(np.array([a]), np.array([k]))[0]) + per_micro
-
-    c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, np.full(D * K - m, per_micro)])
-    cur = _time(c, D, K, sync)
-    moves = 0
-    improved = True
-    while improved and moves < MAX_MOVES:
-        improved = False
-        desc = np.argsort(-c, kind="stable")
-        heads = desc[::D]  # the heaviest bin of every slot (arrange cuts sorted costs into slots of dp)
-        for j in [int(x) for x in heads if x < m] + [int(x) for x in desc[1::D] if x < m]:
-            for e in (j, j + 1):             # a boundary of run j (index into bnd)
-                if e <= 0 or e >= m:
-                    continue
-                for d in (-1, 1, -2, 2):
-                    moves += 1
-                    x = int(bnd[e]) + d
-                    if not bnd[e - 1] < x < bnd[e + 1]:
-                        continue
-                    left, right = run(int(bnd[e - 1]), x), run(x, int(bnd[e + 1]))
-                    if left is None or right is None:
-                        continue
-                    old = c[e - 1], c[e]
-                    c[e - 1], c[e] = left, right
-                    t = _time(c, D, K, sync)
-                    if t < cur * (1 - 1e-12):
-                        bnd[e], cur, improved = x, t, True
-                        break
-                    c[e - 1], c[e] = old
-                if improved:
-                    break
-            if improved:
-                break
-    return bnd.tolist()
-
-
-def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float,
-             sync: str) -> tuple[np.ndarray, float] | None:
-    """bin_of (in the input order) and predicted time for m bins, or None if the caps need more."""
-    b = runs_for_bins(srt, m, caps)
+def _bins_at(srt: _Sorted, m: int, D: int, K: int, caps: tuple, per_micro: float, sync: str,
+             start: list[int] | None = None, deep: bool = False) -> _Runs | None:
+    """m runs and their predicted time, or None if the caps need more; ``start``: run boundaries
+    to start the local search from (default: the min-max runs); ``deep``: every move of
+    ``padded_search.py``, else boundary moves only (K is chosen on those)."""
+    b = runs_for_bins(srt, m, caps) if start is None else start
     if b is None:
         return None
-    b = _improve(srt, b, D, K, caps, per_micro, sync)
+    b = local_search(srt, b, D, K, caps, per_micro, sync, deep=deep)
     bnd = np.array(b, dtype=np.int64)
-    run_of = np.repeat(np.arange(bnd.size - 1), np.diff(bnd))
-    bin_of = np.empty(srt.n, dtype=np.int64)
-    bin_of[srt.order] = run_of
     c = np.concatenate([srt.run_cost(bnd[:-1], np.diff(bnd)) + per_micro, np.full(D * K - m, per_micro)])
-    return bin_of, _time(c, D, K, sync)
+    return _Runs(b, predicted_time(c, D, K, sync))
+
+
+def _bin_of(srt: _Sorted, b: list[int]) -> np.ndarray:
+    """The bin of every sample (input order) for run boundaries b of the sorted samples."""
+    bnd = np.array(b, dtype=np.int64)
+    bin_of = np.empty(srt.n, dtype=np.int64)
+    bin_of[srt.order] = np.repeat(np.arange(bnd.size - 1), np.diff(bnd))
+    return bin_of
+
+
+def _best_at(srt: _Sorted, K: int, D: int, caps: tuple, pm: float, sync: str,
+             levels: list[int] | None, minmax: bool = True) -> _Runs | None:
+    """The better of the level DP's runs and the min-max runs at K, each locally improved."""
+    m = min(srt.n, D * K)
+    got = _bins_at(srt, m, D, K, caps, pm, sync) if minmax else None
+    if levels is not None:
+        alt = _bins_at(srt, m, D, K, caps, pm, sync, start=levels)
+        if alt is not None and (got is None or alt.time < got.time):
+            got = alt
+    return got
+
+
+def _walk(srt: _Sorted, K0: int, dp: int, align: int, caps: tuple, pm: float,
+          sync: str) -> tuple[dict[int, float], dict[int, _Runs]]:
+    """K from K0 up while the min-max packing's time improves (one step of patience, at most
+    ``MAX_EVALS`` packings; past them, on to the first K that packs): (times, packings) by K."""
+    n = srt.n
+    tried: dict[int, float] = {}
+    found: dict[int, _Runs] = {}
+    K, worse = K0, 0
+    while True:
+        m = min(n, dp * K)
+        got = _bins_at(srt, m, dp, K, caps, pm, sync)
+        t = float("inf") if got is None else got.time
+        tried[K] = t
+        if got is not None:
+            found[K] = got
+        finite = [x for x in tried.values() if np.isfinite(x)]
+        if np.isfinite(t) and len(finite) > 1 and t > min(finite) * (1 - 1e-12):
+            worse += 1
+        elif np.isfinite(t):
+            worse = 0
+        if worse >= 2 or m == n or (len(tried) >= MAX_EVALS and found):
+            return tried, found
+        K += align
 
 
 def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | None, micro_batch_size: int | None,
@@ -323,50 +315,41 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
     srt = _Sorted(s, cost)
     caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
     pm = float(cost.per_micro)
+    bound = _cap_bound(srt, *caps)
     if micro_batch_size is not None:
-        got = _bins_at(srt, min(n, dp * K0), dp, K0, caps, pm, sync)
+        lv = level_plans(srt, caps, bound, dp=dp, Ks=[K0], per_micro=pm, keep=1)
+        got = _best_at(srt, K0, dp, caps, pm, sync, lv.runs.get(K0))
         assert got is not None  # a count cap of micro_batch_size always fits min(n, dp·K) runs
-        return PaddedPacking(got[0], min(n, dp * K0), K0, None)
-    tried: list[tuple[int, float]] = []
-    found: dict[int, tuple[np.ndarray, int]] = {}
-    K, worse = K0, 0
-    while len(tried) < MAX_EVALS:
-        m = min(n, dp * K)
-        got = _bins_at(srt, m, dp, K, caps, pm, sync)
-        t = float("inf") if got is None else got[1]
-        tried.append((K, t))
-        if got is not None:
-            found[K] = (got[0], m)
-        finite = [x for _, x in tried if np.isfinite(x)]
-        if np.isfinite(t) and t > min(finite) * (1 - 1e-12) and len(finite) > 1:
-            worse += 1
-        elif np.isfinite(t):
-            worse = 0
-        if worse >= 2 or m == n:  # past the best by two steps, or one sample per bin
-            break
-        K += align
-    if not found:  # MAX_EVALS ran out before any K fitted the caps: walk on (m == n always fits)
-        while True:
-            m = min(n, dp * K)
-            got = _bins_at(srt, m, dp, K, caps, pm, sync)
-            tried.append((K, float("inf") if got is None else got[1]))
-            if got is not None:
-                found[K] = (got[0], m)
-                break
-            K += align
-    best_t = min(t for k, t in tried if k in found)
-    K = min(k for k, t in tried if k in found and t == best_t)
-    listing = ", ".join(f"K={k}: {t:.4g}" for k, t in tried)
+        got = _bins_at(srt, min(n, dp * K0), dp, K0, caps, pm, sync, start=got.bounds, deep=True)
+        return PaddedPacking(_bin_of(srt, got.bounds), min(n, dp * K0), K0, None)  # type: ignore[union-attr]
+    tried, found = _walk(srt, K0, dp, align, caps, pm, sync)
+    k_all = K0 + max(0, -(-(-(-n // dp) - K0) // align)) * align  # the least aligned K giving every sample a bin
+    lv = level_plans(srt, caps, bound, dp=dp, Ks=list(range(K0, k_all + 1, align)), per_micro=pm)
+    lead = min(lv.runs, key=lambda k: lv.times[k], default=None)
+    for K, runs in lv.runs.items():  # the level DP's best K: its runs (and at its best, min-max runs)
+        got = _best_at(srt, K, dp, caps, pm, sync, runs, minmax=K == lead and K not in found)
+        if got is not None and got.time < tried.get(K, float("inf")):
+            tried[K], found[K] = got.time, got
+    for K in sorted(found, key=lambda k: tried[k])[:DEEP]:  # every move for the best few K
+        got = _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=found[K].bounds, deep=True)
+        if got is not None and got.time < tried[K]:
+            tried[K], found[K] = got.time, got
+    for K, t in lv.times.items():  # the DP's predicted time where nothing better was packed
+        tried.setdefault(K, t)
+    best_t = min(tried[k] for k in found)
+    K = min(k for k in found if tried[k] == best_t)
+    listing = ", ".join(f"K={k}: {tried[k]:.4g}" for k in sorted(tried))
     why = (f"K={K} has the lowest predicted {'lockstep' if sync == 'micro' else 'step-sync'} time of the K tried "
            f"({listing}) in the {s.padding.layout} layout: more micro-batches pad less but add per_micro "
            f"(lower bound K={K0} from the padded tokens)")
-    bin_of, m = found[K]
-    return PaddedPacking(bin_of, m, K, KChoice(K, K0, tuple(tried), why))
+    choice = KChoice(K, K0, tuple(sorted(tried.items())), why)
+    return PaddedPacking(_bin_of(srt, found[K].bounds), min(n, dp * K), K, choice)
 
 
 def pack_padded_at(s: PaddedSamples, *, m: int, K: int, cap: int | None, micro_batch_size: int | None,
                    vision_cap: int | None, cost: CostModel, sync: str) -> np.ndarray | None:
     """m bins of one rank's samples at a given K (local placement), or None if the caps need more."""
     caps = (cap, micro_batch_size, vision_cap if s.vision is not None else None)
-    got = _bins_at(_Sorted(s, cost), m, 1, K, caps, float(cost.per_micro), sync)
-    return None if got is None else got[0]
+    srt = _Sorted(s, cost)
+    got = _bins_at(srt, m, 1, K, caps, float(cost.per_micro), sync, deep=True)
+    return None if got is None else _bin_of(srt, got.bounds)

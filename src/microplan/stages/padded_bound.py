@@ -3,7 +3,7 @@
 Design note. In a padded layout a micro-batch of k samples is ``[k, W]``, W its longest sample
 rounded up to the width multiple, and costs ``per_micro + k·r(W, k)`` (``row_costs``: every row
 is a sequence of W); placeholders cost per_micro. The lockstep time of dp·K micro-batches is
-Σ_m max_r, attained by ``assign.arrange``. The bound rests on two facts:
+Σ_m max_r, attained by ``assign.arrange``. The bound rests on three facts:
 
 1. *Contiguity lemma.* Some optimal plan cuts the samples, sorted by length, into contiguous
    runs. Proof: take any plan, order its micro-batches by width W_1 ≥ W_2 ≥ ... and give the
@@ -19,16 +19,29 @@ is a sequence of W); placeholders cost per_micro. The lockstep time of dp·K mic
    P*(M) ≥ g(λ) − λ·M with g(λ) = min over cuts of (P + λ·runs), one O(n·k_max) dynamic program
    per λ (a run is [a, a+k), costs k·r(W_a, k); fewer runs than M are allowed, so g is
    monotone and the best λ on a grid is kept; any λ gives a valid bound).
+3. *Forced heads.* Let u_i be the least body holding sample i (alone, or two rows of its
+   width) and v_i = 2·r(w_i, 2) the least body of a multi-row run holding it (inf when two rows
+   of w_i break the cap); both fall with the length. If slot 0's head is τ, no run costs more
+   than τ, so the J(τ) = #{i: v_i > τ} longest samples sit in J distinct runs (two of them in
+   one run would cost at least v_J > τ): at least s·dp + 1 runs cost u_{s·dp+1} or more, and
+   slot s's head is at least that for s·dp + 1 ≤ J. So the heads sum to at least
+   τ + Σ_{s=1}^{K-1} [s·dp + 1 ≤ J(τ)]·u_{s·dp+1} (no plan at all when J > dp·K), least over
+   τ ∈ {u_1} ∪ {v_i ≥ u_1} (J steps down at each v_i). Long samples that cannot share a row
+   pair (the cap, or a lone row much cheaper than a padded one) are where this beats the volume.
 
-The bound is min over K of K·per_micro + max(P*(dp·K)/dp, r(W_1)) (the longest row alone is a
-micro-batch body somewhere), K from the fewest runs the cap allows (over dp) to ⌈n/dp⌉: more
-slots than ⌈n/dp⌉ leave a whole slot of placeholders, which a plan can drop for per_micro less.
-It is valid for ``padded-2d`` too (a 2D row is at least as wide as the sample). It is *not*
-tight: slots of dp micro-batches whose costs are few multiples of a row cannot be levelled, and
-that residue is what the exhaustive optimum (benchmarks/padded_optimum.py) measures. Measured
-(benchmarks/bench_layouts.py, small steps of 12 samples, dp 2–3): the exhaustive optimum is
-1.05–1.11× this bound (median), so a plan within 1.01 of it is not to be expected there.
-Cost: one O(n·k_max·λ) pass over the starts for ~50 λ at once: ~0.1 s at n = 2k (a benchmark and\ntest tool, not on the plan path).
+The bound is min over K of K·per_micro + max(P*(dp·K)/dp, forced heads at K), K from the fewest
+runs the cap allows (over dp) to ⌈n/dp⌉: more slots than ⌈n/dp⌉ leave a whole slot of
+placeholders, which a plan can drop for per_micro less. It is valid for ``padded-2d`` too (a 2D
+row is at least as wide as the sample). It is *not* tight: slots of dp micro-batches whose costs
+are few multiples of a row cannot be levelled, and that residue is what the exhaustive optimum
+(benchmarks/padded_optimum.py) measures. Measured: on the benchmark families (bench_layouts.py,
+quick grid and 12-sample steps) fact 3 never exceeds the volume (a long tail leaves plenty of
+short samples to fill slot 0), so the bound there is unchanged: the exhaustive optimum is
+1.05–1.11× it (median) on 12-sample steps, a plan within 1.01 of it is not to be expected; on
+random small instances with several samples at the longest length (300 draws, n 4–10, dp 2–3)
+fact 3 raises the bound in 23% of them, up to 1.38×, and the optimum's mean ratio to it falls
+1.111 -> 1.082. Cost: one O(n·k_max·λ) pass over the starts for ~50 λ at once: ~0.1 s at
+n = 2k (a benchmark and test tool, not on the plan path); fact 3 is O(n·K).
 """
 
 from __future__ import annotations
@@ -93,6 +106,30 @@ def min_padded_cost(w: np.ndarray, k_max: np.ndarray, cost: CostModel, lams: np.
     return f[n]
 
 
+def _heads(w: np.ndarray, row: np.ndarray, cost: CostModel, cap: int | None, dp: int, Ks: np.ndarray) -> np.ndarray:
+    """For every K: the least Σ of slot heads the longest samples force (module note, fact 3).
+
+    ``w``: widths sorted descending; ``row``: u_i, the least body holding sample i (alone or in a
+    multi-row run). v_i = 2·r(w_i, 2) is the least cost of a run holding sample i and another (inf
+    when two rows of w_i break the cap). With slot 0's head τ ≥ u_1, the J(τ) = #{v_i > τ} longest
+    samples sit in J distinct runs, so the (s·dp+1)-th costliest run costs at least u_{s·dp+1}
+    for s·dp + 1 <= J: the heads sum to at least τ + Σ_{s=1}^{K-1} [s·dp+1 <= J] u_{s·dp+1}, and
+    no plan with J > dp·K runs exists. The least over τ in {u_1} ∪ {v_i} (J is a step function
+    of τ, the sum grows with τ between steps) is the bound."""
+    v = 2 * row_costs(cost, w, 2)
+    if cap is not None:
+        v = np.where(2 * w > cap, np.inf, v)
+    taus = np.unique(np.concatenate([[row[0]], v[np.isfinite(v) & (v >= row[0])]]))
+    J = np.searchsorted(-v, -taus, side="left")  # #{v_i > τ} (v is non-increasing)
+    lead = row[::dp]  # u_{s·dp+1}, s = 0, 1, ...
+    csum = np.concatenate([[0.0], np.cumsum(lead[1:])])  # csum[q] = Σ_{s=1}^{q} u_{s·dp+1}
+    q = np.minimum(Ks[None, :] - 1, np.maximum(J[:, None] - 1, 0) // dp)  # slots s >= 1 forced
+    q = np.minimum(q, lead.size - 1)
+    f = taus[:, None] + csum[q]
+    f = np.where(J[:, None] > dp * Ks[None, :], np.inf, f)
+    return f.min(axis=0)
+
+
 def padded_lower_bound(lens, *, dp: int, cap: int | None, cost: CostModel, width_multiple: int = 1,
                        K_min: int = 1) -> PaddedBound:
     """A lower bound on the lockstep time of every padded plan of these samples (module note).
@@ -117,6 +154,6 @@ def padded_lower_bound(lens, *, dp: int, cap: int | None, cost: CostModel, width
     g = min_padded_cost(w, k_max, cost, lams)
     p_star = np.max(g[None, :] - lams[None, :] * dp * Ks[:, None], axis=1)
     volume = Ks * pm + p_star / dp
-    at = np.maximum(volume, Ks * pm + float(row[0]))
+    at = np.maximum(volume, Ks * pm + _heads(wf, row, cost, cap, dp, Ks))
     j = int(np.argmin(at))
     return PaddedBound(float(at[j]), int(Ks[j]), int(k_lo), float(volume.min()))

@@ -1,0 +1,187 @@
+"""Slot levels for padded layouts: a dynamic program over the sorted samples, every K at once.
+
+Design note. A padded step's lockstep time is ``K·per_micro + Σ_s T_s``, T_s the costliest
+micro-batch body of slot s (``assign.arrange`` attains it). Min-max runs (``padded.py``) give
+every micro-batch the same budget, but a slot only needs its *own* dp micro-batches level: the
+longest samples can sit alone in slot 0 while the short tail fills a much cheaper last slot.
+This module plans *contiguous slots*: slot s takes a segment of the samples sorted by length
+(``padded._Sorted``), cut into exactly dp runs each costing at most a level T_s.
+
+1. Jumps: for every level T of a candidate set and every start i, the longest run within T
+   (``padded._max_run``; 0 when the sample alone costs more) and, by doubling, R_T(i): the
+   furthest end dp greedy runs reach (greedy longest runs are optimal: a run's cost never grows
+   when it loses samples). A slot can end anywhere in [i + dp, R_T(i)].
+2. DP, backwards: G_s(i) = min over T of T + G_{s-1}(j), the least Σ levels covering samples
+   i.. with s slots of exactly dp runs, j = min(R_T(i), n − dp·(s−1)) the furthest end that
+   leaves dp samples to every later slot (G is nearly non-increasing: a later start covers
+   less; a range minimum over [i + dp, j] gave the same small-step plans at several times the cost). One
+   pass over s = 1, 2, ... gives ``K·per_micro + G_K(0)`` for every K with dp·K ≤ n: K is
+   searched over the whole range, not walked. The pass stops at the last K asked for, when
+   K·per_micro plus the body bound (Σ lone-row costs / dp, or the costliest lone row) reaches
+   the best time found, or ``PATIENCE`` slots (half the best K, if more) past the best.
+3. Levels: every distinct run cost when there are at most ``EXACT_LEVELS`` (small steps), else
+   ``GRID_LEVELS`` quantiles of them.
+
+Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-run of a greedy
+run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
+most it: ``assign.arrange`` does no worse than the DP's slots). Not exact: an optimal plan's
+slots need not be contiguous in the sorted order (``padded_search.py``'s moves take it from
+there). Measured (benchmarks/bench_layouts.py): on 12-sample steps the DP's K is the optimum's
+K in most steps, where the min-max walk stopped early (plan/optimum worst 1.20 -> 1.05 with
+boundary moves alone); on the quick large grid the K changes in 6 of 24 steps. Cost:
+O(S·|T|·n) for S slots: 10–110 ms at n = 0.1–2k (2 cores, shared).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import numpy as np
+
+__all__ = ["LevelPlans", "level_plans"]
+
+EXACT_LEVELS = 200   # all distinct run costs are the level set when there are at most this many
+GRID_LEVELS = 32     # else this many quantiles of them (64, or a refined grid: no better, 1.4-3x slower)
+PATIENCE = 4         # slots tried past the best K before the pass stops (or half the best K, if more)
+
+
+class LevelPlans(NamedTuple):
+    """The DP's predicted time for every K it reached and a way to build the runs of one."""
+
+    times: dict[int, float]   # K -> K·per_micro + Σ levels (inf when no contiguous-slot plan fits)
+    runs: dict[int, list[int]]  # K -> run boundaries [0, ..., n] of the plans of the best K
+
+
+def _levels(srt, bound: np.ndarray) -> np.ndarray:
+    """Candidate slot levels: every run cost when few, else quantiles of them."""
+    n = srt.n
+    if int(bound.sum()) <= EXACT_LEVELS:
+        a = np.repeat(np.arange(n), bound)
+        k = np.concatenate([np.arange(1, b + 1) for b in bound])
+        return np.unique(srt.run_cost(a, k))
+    a = np.repeat(np.arange(n), bound)  # every run's cost, their quantiles as levels
+    k = np.arange(a.size) - np.repeat(np.cumsum(bound) - bound, bound) + 1
+    c = np.sort(srt.run_cost(a, k))
+    return np.unique(c[np.linspace(0, c.size - 1, GRID_LEVELS).round().astype(np.int64)])
+
+
+def _steps(srt, T: np.ndarray, bound: np.ndarray, caps: tuple) -> np.ndarray:
+    """[len(T), n]: the longest run within T from every start (0 when the sample alone is over T)."""
+    from .padded import _max_run  # noqa: PLC0415 (padded imports this module)
+    n = srt.n
+    single = srt.run_cost(np.arange(n), np.ones(n, dtype=np.int64))
+    out = np.empty((T.size, n), dtype=np.int64)
+    for j, tau in enumerate(T):
+        out[j] = _max_run(srt, float(tau), bound, caps[0])
+    return np.where(single[None, :] <= T[:, None] * (1 + 1e-12), out, 0)
+
+
+def _reach(step: np.ndarray, dp: int) -> np.ndarray:
+    """[len(T), n + 1]: where dp greedy runs from every start end (stuck where a step is 0)."""
+    nt, n = step.shape
+    f = np.concatenate([np.arange(n)[None, :] + step, np.full((nt, 1), n)], axis=1)
+    out = np.broadcast_to(np.arange(n + 1), (nt, n + 1)).copy()
+    e = dp
+    while e:
+        if e & 1:
+            out = np.take_along_axis(f, out, axis=1)
+        e >>= 1
+        if e:
+            f = np.take_along_axis(f, f, axis=1)
+    return out
+
+
+class _Layer(NamedTuple):
+    level: np.ndarray   # per start: index of the level chosen (-1: none)
+    end: np.ndarray     # per start: where the slot ends
+
+
+def _dp(reach: np.ndarray, T: np.ndarray, dp: int, stop) -> tuple[list[np.ndarray], list[_Layer]]:
+    """Backward layers G_1, G_2, ... until ``stop(s, G_s[0])`` says so (module note, step 2).
+    G_s has n + 2 entries: positions 0..n and an infinite sentinel that index -1 reaches."""
+    n = reach.shape[1] - 1
+    starts = np.arange(n)
+    end0 = np.where(reach[:, :n] - starts >= dp, reach[:, :n], -1)  # -1: dp runs within T do not fit
+    g = np.full(n + 2, np.inf)
+    g[n] = 0.0
+    gs, layers = [g], []
+    s = 0
+    while (s + 1) * dp <= n:
+        s += 1
+        lim = n - dp * (s - 1)     # leave dp samples to every later slot
+        cols = lim - dp + 1        # the starts that leave this slot dp samples
+        end = np.minimum(end0[:, :cols], lim)  # the furthest end (-1 stays -1)
+        val = T[:, None] + g[end]
+        best = np.argmin(val, axis=0)
+        at = starts[:cols]
+        g_new = np.full(n + 2, np.inf)
+        g_new[:cols] = val[best, at]
+        layers.append(_Layer(np.where(np.isfinite(g_new[:cols]), best, -1), end[best, at]))
+        g = g_new
+        gs.append(g)
+        if stop(s, float(g[0])):
+            break
+    return gs, layers
+
+
+def _runs_of(srt, T: np.ndarray, layers: list[_Layer], K: int, dp: int, bound: np.ndarray,
+             caps: tuple) -> list[int]:
+    """Run boundaries of the DP's plan with K slots: dp runs per slot, each within its level."""
+    b, i = [0], 0
+    for s in range(K, 0, -1):
+        lay = layers[s - 1]
+        t, e = int(lay.level[i]), int(lay.end[i])
+        cut = _greedy_from(srt, float(T[t]), bound, caps, i, e)
+        cut = _split_to_count(srt, cut, dp)
+        b.extend(cut[1:])
+        i = e
+    return b
+
+
+def _greedy_from(srt, tau: float, bound: np.ndarray, caps: tuple, i: int, e: int) -> list[int]:
+    """Greedy longest runs within τ from i, clipped at e: boundaries [i, ..., e]."""
+    from .padded import _max_run  # noqa: PLC0415
+    step = _max_run(srt, tau, bound, caps[0])
+    b, x = [i], i
+    while x < e:
+        x = min(e, x + int(step[x]))
+        b.append(x)
+    return b
+
+
+def _split_to_count(srt, b: list[int], m: int) -> list[int]:
+    """Split the costliest multi-sample runs of the boundaries b until there are m runs."""
+    b = list(b)
+    while len(b) - 1 < m:
+        starts, ends = np.array(b[:-1]), np.array(b[1:])
+        k = ends - starts
+        c = np.where(k > 1, srt.run_cost(starts, np.maximum(k, 1)), -1.0)
+        j = int(np.argmax(c))
+        b.insert(j + 1, int(starts[j] + k[j] // 2))
+    return b
+
+
+def level_plans(srt, caps: tuple, bound: np.ndarray, *, dp: int, Ks: list[int], per_micro: float,
+                keep: int = 3) -> LevelPlans:
+    """Predicted lockstep time of the DP's contiguous-slot plan for every K in ``Ks`` it reaches
+    (ascending, dp·K <= n), and the runs of the ``keep`` best (module note)."""
+    n = srt.n
+    Ks = [K for K in Ks if dp * K <= n]
+    if not Ks:
+        return LevelPlans({}, {})
+    single = srt.run_cost(np.arange(n), np.ones(n, dtype=np.int64))
+    body = max(float(single.sum()) / dp, float(single.max()))  # no plan's body is cheaper
+    wanted = set(Ks)
+    best = [np.inf, n]
+
+    def stop(s: int, g0: float) -> bool:
+        if s in wanted and np.isfinite(g0) and s * per_micro + g0 < best[0]:
+            best[0], best[1] = s * per_micro + g0, s
+        past = s - best[1] >= max(PATIENCE, best[1] // 2)  # well past the best K found
+        return s >= Ks[-1] or (s >= Ks[0] and (s * per_micro + body >= best[0] or past))
+
+    T = _levels(srt, bound)
+    gs, layers = _dp(_reach(_steps(srt, T, bound, caps), dp), T, dp, stop)
+    times = {K: K * per_micro + float(gs[K][0]) for K in Ks if K < len(gs)}
+    finite = sorted((t, K) for K, t in times.items() if np.isfinite(t))
+    return LevelPlans(times, {K: _runs_of(srt, T, layers, K, dp, bound, caps) for _, K in finite[:keep]})
