@@ -219,6 +219,8 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
     bal = costs + adjusted_slope(cost, lens, m) * lens
     bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets)
     n = lens.size
+    if bin_of is None and targets is None:
+        bin_of = _tilted(lens, bal, m, D, K, cap, extra)
     if bin_of is None and n <= FFD_MAX_SAMPLES:
         bin_of = first_fit_decreasing(lens, m, cap, extra)
         if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
@@ -226,6 +228,30 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
         if bin_of is not None:
             bin_of = refine_bins(bin_of, lens, bal, m, cap, extra=extra)
     return bin_of
+
+
+TILTS = (0.5, 1.0)  # exponents of the long-sample emphasis tried when a cap-tight packing fails
+
+
+def _tilted(lens: np.ndarray, bal: np.ndarray, m: int, D: int, K: int, cap: int,
+            extra: Extra | None) -> np.ndarray | None:
+    """Cap-tight steps (the slot-target LPT found no packing): the same LPT on costs tilted toward
+    long samples, bal·(L/L̄)^γ, then refined on the real costs; None if no tilt packs.
+
+    When the step fills its bins to the last few tokens, LPT on the real costs can stack the long
+    samples (a bin's cost headroom lets it take several) until the cap refuses a late sample, and
+    first-fit decreasing then stacks them by construction: bins of equal tokens but very unequal
+    attention, which moves and swaps of single samples cannot undo under the cap. Tilting makes a
+    long sample look heavier, so LPT spreads them one per bin first. Measured (bench_meter grid,
+    bimodal dp 32, 99.8 % of capacity at K = 2): lockstep 1.027 -> 1.001 of the mean load.
+    """
+    mean = float(lens.mean())
+    for g in TILTS:
+        got = _pack_slots(lens, bal * (lens / mean) ** g, m, D, K, cap, extra)
+        if got is not None:
+            offset = np.repeat(slot_targets(bal, D, K), D) if m == D * K and K > 1 else None
+            return refine_bins(got, lens, bal, m, cap, offset=offset, extra=extra)
+    return None
 
 
 def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
