@@ -187,3 +187,29 @@ def test_slack_probe_quick_bound_same_decision(ratio, weaker, packs_better):
     assert quick[0] == base[0] and quick[1] == base[1] and quick[2] == base[2]
     within_quick = not full_lb * ratio > full_lb * weaker * (1 + 2e-3)
     assert ("full" not in calls) == within_quick
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.sampled_from(["micro", "step"]), st.sampled_from([1, 2]),
+       st.booleans(), st.integers(2, 6))
+def test_layout_grid_is_arrange_of_its_costs(seed, sync, cp, dense, dp):
+    """The fit hands its packing's costs and slot grid to the layout (``fit.Slots``), which re-uses the
+    grid only for equal costs: the layout's grid is always ``arrange`` of the layout's own bin costs,
+    and without CP (whose fit counts halo rows the layout's costs do not) the K timer's recorded time
+    is the layout's predicted time."""
+    from microplan.planner import _context
+    from microplan.stages.granularity import best_layout
+    from microplan.stages.steps import split_steps
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 3000, int(rng.integers(dp, 40 * dp)))
+    cost = mp.FlopsCost(linear=1.0, quadratic=1e-3, per_micro=50.0, packed_quadratic=1e-3 if dense else 0.0)
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=3000 if cp == 1 else 1600, cost=cost, sync=sync,
+                        context_parallel=mp.ContextParallel(size=cp) if cp > 1 else None)
+    batch = mp.Batch(lens)
+    ctx = _context(batch, cfg, None)
+    for s, samples in enumerate(split_steps(batch, None).steps):
+        lay = best_layout(s, samples, ctx)
+        per_gpu = lay.bin_costs if cp == 1 else mp.cost.cp.cp_micro_costs(cost, lay.bin_costs, lay.bin_tokens, cp)
+        assert np.array_equal(lay.grid, arrange(per_gpu, dp, lay.K))
+        if cp == 1:
+            assert dict(lay.choice.candidates)[lay.K] == pytest.approx(lay.time, rel=1e-12)
