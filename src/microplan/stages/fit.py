@@ -31,6 +31,7 @@ from ..config import PlanConfig
 from ..cost.cp import cp_micro_costs
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..errors import PlanError
+from .._sort import stable_argsort_via
 from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange, grid_time
@@ -181,16 +182,17 @@ def _time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarra
     return grid_time(known.costs[known.grid], cfg.sync)
 
 
-def slot_targets(costs: np.ndarray, D: int, K: int) -> np.ndarray:
+def slot_targets(costs: np.ndarray, D: int, K: int, order: np.ndarray | None = None) -> np.ndarray:
     """Per-slot cost targets τ_0 ≥ τ_1 ≥ ... for lockstep balance (length K).
 
     Lockstep time is Σ_m max_r cost(r, m), so micro-batches need equal cost *within* a slot, not
     across slots. When the heaviest samples exceed the mean micro-batch cost (long samples at
     the truncation limit), slot m's target is the larger of the (m·D+1)-th heaviest sample and
     the mean of what is left; the other micro-batches of that slot are filled up to it, which
-    takes work away from later slots instead of leaving GPUs idle.
+    takes work away from later slots instead of leaving GPUs idle. ``order``: the costs' descending
+    order if known (then no sort).
     """
-    desc = np.sort(costs)[::-1]
+    desc = np.sort(costs)[::-1] if order is None else costs[order]
     lead = np.array([float(desc[m * D]) if m * D < desc.size else 0.0 for m in range(K)])
     return fill_targets(lead, float(costs.sum()), D, K)
 
@@ -244,7 +246,8 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
     first-fit decreasing and, for small steps, an exhaustive search, each refined. ``extra``: a
     second capped resource (vision tokens) every packer keeps. No lockstep refinement here.
     """
-    bal = costs + adjusted_slope(cost, lens, m) * lens
+    slope = adjusted_slope(cost, lens, m)
+    bal = costs + slope * lens if slope else costs  # an additive cost balances the costs themselves
     bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets)
     n = lens.size
     if bin_of is None and n <= FFD_MAX_SAMPLES:
@@ -261,9 +264,10 @@ def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap
     """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
     bin_of = None
     if m == D * K and K > 1:
-        offset = np.repeat(slot_targets(costs, D, K) if targets is None else targets, D)
+        order = stable_argsort_via(costs, lens, descending=True)  # LPT's placement order, the targets' sort
+        offset = np.repeat(slot_targets(costs, D, K, order) if targets is None else targets, D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
-        bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load, extra=extra)
+        bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load, extra=extra, order=order)
         if bin_of is not None and np.bincount(bin_of, minlength=m).min() == 0:
             bin_of = None
         if bin_of is not None:

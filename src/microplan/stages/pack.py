@@ -56,7 +56,8 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
                   extra: Extra | None = None, extra_load: np.ndarray | None = None,
                   room: np.ndarray | None = None,
                   increments: tuple[np.ndarray, np.ndarray] | None = None,
-                  halo: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+                  halo: tuple[np.ndarray, np.ndarray] | None = None,
+                  order: np.ndarray | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
@@ -67,11 +68,13 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     capacity when it is not width·cap (a row multiple); ``increments``: (per cost, per token), the
     per-GPU load a sample adds to each bin (a priced CP group, ``stages/cp.py``) instead of
     cost / width; ``halo``: (segments per sample, tokens per segment per bin), room a sample takes
-    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``). Returns the
-    bin of each sample, or None if one fits nowhere.
+    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``); ``order``: the
+    placement order when the caller has it, ``stable_argsort_via(costs, seq_lens, descending=True)``.
+    Returns the bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
-    order = stable_argsort_via(costs, seq_lens, descending=True)  # costs usually rise with length
+    if order is None:
+        order = stable_argsort_via(costs, seq_lens, descending=True)  # costs usually rise with length
     load_c = np.zeros(B, dtype=np.float64) if load is None else load
     load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
     room_t = None if cap is None else width * cap if room is None else room
