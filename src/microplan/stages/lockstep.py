@@ -52,10 +52,9 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
     real = cnt > 0
     c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
     C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
-    lens_f = lens.astype(np.float64)
     iters = max_iters if max_iters is not None else min(2 * K + 16, 64)
-    floor = max(float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D,  # nothing beats the mean
-                float(bin_costs(cost, costs, lens_f, 1).max()))
+    mean = float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D  # nothing beats the mean
+    lens_f = floor = None  # and the costliest lone sample: O(n), computed once the mean alone does not stop
     stuck: set[int] = set()
     best_obj, since = np.inf, 0
     for _ in range(iters):
@@ -68,7 +67,12 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
         if not cand:
             break
         obj = float(top.sum())
-        if obj <= floor * (1 + STOP_GAP):  # within 0.1 % of the mean: below any machine's timing noise
+        if obj <= mean * (1 + STOP_GAP):  # within 0.1 % of the mean: below any machine's timing noise
+            break
+        if floor is None:
+            lens_f = lens.astype(np.float64)
+            floor = max(mean, float(bin_costs(cost, costs, lens_f, 1).max()))
+        if obj <= floor * (1 + STOP_GAP):
             break
         if obj < best_obj * (1 - rel_tol):
             best_obj, since = obj, 0
