@@ -84,8 +84,12 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     tok_w = None if increments is None else increments[1]
     unit = increments is None and bool((width == 1).all())  # x · 1.0 + 0.0 == x: the scaling is skipped
     cs, ts = costs[order], seq_lens[order]  # in placement order: a round's chunk is a slice, not a gather
-    segs, per_seg = (np.zeros(n, dtype=np.int64), np.zeros(B, dtype=np.int64)) if halo is None else halo
-    ss = segs[order]
+    if halo is None:
+        segs = per_seg = ss = None
+    else:
+        segs, per_seg = halo
+        ss = segs[order]
+    lim = cap if room is None and cap is not None and bool((width == 1).all()) else None  # one room for every bin
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
@@ -98,33 +102,40 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             ok_prefix = ls <= ls[0] + cc
         else:
             ok_prefix = ls <= ls[0] + cc * inv_w[top] + (0.0 if tok_w is None else ts[pos:pos + size] * tok_w[top])
-        c = size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
+        k = int(np.argmin(ok_prefix))  # the first bin a one-at-a-time LPT might not reach
+        c = size if ok_prefix[k] else max(k, 1)
         chunk, bins, cc, tc = order[pos:pos + c], top[:c], cc[:c], ts[pos:pos + c]
-        use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # tokens plus halo room
-        fits = None if room_t is None else load_t[bins] + use <= room_t[bins]
+        use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # type: ignore[index]  # plus halo room
+        held = load_t[bins] + use
+        fits = None if room_t is None else held <= (lim if lim is not None else room_t[bins])
         if ex is not None:
             xc = ex[chunk]
             fits = (load_x[bins] + xc <= ex_cap) if fits is None else fits & (load_x[bins] + xc <= ex_cap)
         if fits is not None and not fits.all():
             chunk, bins, cc, tc, use, rest = chunk[fits], bins[fits], cc[fits], tc[fits], use[fits], chunk[~fits]
             xc = None if ex is None else xc[fits]
-        else:
+            bin_of[chunk] = bins
+            load_c[bins] += cc if unit else cc * inv_w[bins] + (0.0 if tok_w is None else tc * tok_w[bins])
+            load_t[bins] += use
+        else:  # the whole chunk fits: the loads gathered above are the bins' loads
             rest = chunk[:0]
-        bin_of[chunk] = bins
-        load_c[bins] += cc if unit else cc * inv_w[bins] + (0.0 if tok_w is None else tc * tok_w[bins])
-        load_t[bins] += use
+            bin_of[chunk] = bins
+            load_c[bins] = ls[:c] + cc if unit else ls[:c] + (cc * inv_w[bins] + (0.0 if tok_w is None
+                                                                                  else tc * tok_w[bins]))
+            load_t[bins] = held
         if ex is not None:
             load_x[bins] += xc
         for s in rest:
-            room = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] + segs[s] * per_seg <= room_t
+            need = seq_lens[s] if halo is None else seq_lens[s] + segs[s] * per_seg  # type: ignore[index]
+            room_s = np.ones(B, dtype=bool) if room_t is None else load_t + need <= room_t
             if ex is not None:
-                room &= load_x + ex[s] <= ex_cap
-            if not room.any():
+                room_s &= load_x + ex[s] <= ex_cap
+            if not room_s.any():
                 return None
-            b = int(np.argmin(np.where(room, load_c, np.inf)))
+            b = int(np.argmin(np.where(room_s, load_c, np.inf)))
             bin_of[s] = b
             load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
-            load_t[b] += seq_lens[s] + segs[s] * per_seg[b]
+            load_t[b] += seq_lens[s] + (0 if halo is None else segs[s] * per_seg[b])  # type: ignore[index]
             if ex is not None:
                 load_x[b] += ex[s]
         pos += c
