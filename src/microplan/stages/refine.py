@@ -12,6 +12,8 @@ samples-per-bin²) with at most ``max_iters`` iterations (default min(2 · bins,
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from .._sort import stable_argsort
@@ -39,7 +41,7 @@ def _best_exchange(ci: np.ndarray, li: np.ndarray, cj: np.ndarray, lj: np.ndarra
             best = (k, -1, float(ci[k]))
     d = ci[:, None] - cj[None, :]
     dl = li[:, None] - lj[None, :]
-    ok = (d > 0) & (d < gap) & (dl <= room_l) & (-dl <= room_h)
+    ok = (d > 0) & (d < gap) & (dl <= room_l) & (dl >= -room_h)
     if xroom is not None:
         dx = xroom[0][:, None] - xroom[1][None, :]
         ok &= (dx <= xroom[3]) & (-dx <= xroom[2])
@@ -95,14 +97,18 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
         elif since >= _PATIENCE:  # a plateau of near-equal heavy bins: more moves buy < rel_tol
             break
         since += 1
-        ih, il = np.array(mem(h)), np.array(mem(l))
-        xroom = None if ex is None else (ex[ih], ex[il], int(ex_cap - xtok[h]), int(ex_cap - xtok[l]))  # type: ignore[index]
-        got = _best_exchange(costs[ih], lens[ih], costs[il], lens[il], gap,
-                             int(big - tok[h]), int(big - tok[l]), moves and ih.size > 1, xroom)
+        mh, ml = mem(h), mem(l)
+        nh = len(mh)
+        both = np.array(mh + ml)  # one gather per column for the pair of bins
+        cb, lb = costs[both], lens[both]
+        xroom = None if ex is None else (ex[both[:nh]], ex[both[nh:]],  # type: ignore[index]
+                                         int(ex_cap - xtok[h]), int(ex_cap - xtok[l]))  # type: ignore[index]
+        got = _best_exchange(cb[:nh], lb[:nh], cb[nh:], lb[nh:], gap,
+                             int(big - tok[h]), int(big - tok[l]), moves and nh > 1, xroom)
         if got is None:
             break
         i, j, _ = got
-        exchange = [(int(ih[i]), h, l)] + ([(int(il[j]), l, h)] if j >= 0 else [])
+        exchange = [(mh[i], h, l)] + ([(ml[j], l, h)] if j >= 0 else [])
         for smp, src, dst in exchange:
             mem(src).remove(smp)
             mem(dst).append(smp)
@@ -114,6 +120,7 @@ def refine_bins(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, num_bin
                 xtok[src] -= ex[smp]  # type: ignore[index]
                 xtok[dst] += ex[smp]  # type: ignore[index]
     out = bin_of.copy()
-    for b, smp in members.items():
-        out[smp] = b
+    if members:  # the touched bins' samples, written in one scatter
+        moved = list(members.values())
+        out[np.fromiter(chain.from_iterable(moved), dtype=np.int64)] = np.repeat(list(members), list(map(len, moved)))
     return out
