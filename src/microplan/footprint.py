@@ -313,22 +313,24 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     dyn = cp is not None and cp.dynamic  # dynamic CP: a sample may take up to max_size GPUs (stages/cp.py)
     width = int(cp.max_size) if dyn else config.static_cp_size  # type: ignore[union-attr]
     cap = config.max_tokens_per_micro * width
-    alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
-    base, halo = alone, np.zeros_like(alone)  # split over a group, a GPU also runs 2 halo rows per segment
+    r = fp.padding.row_multiple
+    alone = fp.sample_tokens if fp.padded or r == 1 else round_up(fp.sample_tokens, r)
+    base, halo = alone, None  # split over a group, a GPU also runs 2 halo rows per segment
     if not fp.padded and width > 1:
         if dyn:  # a sample is split only when it exceeds one GPU: its row and the row pad's segment
             halo = halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * (alone > config.max_tokens_per_micro)
         else:  # static CP: the packer's rule, the sample and its halo room under packing_cap
             base, halo = fp.sample_tokens, np.full_like(alone, halo_per_segment(width))
             cap = int(packing_cap(config))  # type: ignore[arg-type]
-    held = base + halo
+    held = base if halo is None else base + halo
     if held.size and int(held.max()) > cap:
         j = int(np.argmax(held - cap))
         full = config.max_tokens_per_micro * width
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
             (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {full}" if width > 1 else "") + \
             (f", {cap} once the row pad's halo rows and the row multiple are taken off" if cap != full else "")
-        rows = "" if not halo[j] else f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
+        rows = "" if halo is None or not halo[j] else \
+            f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
