@@ -126,6 +126,12 @@ def test_lockstep_refine_never_hurts(seed, dp, K, packed):
     assert after_same_grid <= before * (1 + 1e-12)
     assert np.bincount(out, weights=lens, minlength=nb).max() <= cap
     assert np.bincount(out, minlength=nb).min() >= 1
+    # the caller's bin sums (fit._pack_at passes them) give the same result; the input is never written
+    given = bin_of.copy()
+    sums = (np.bincount(given, weights=costs, minlength=nb), np.bincount(given, weights=lens, minlength=nb),
+            np.bincount(given, minlength=nb))
+    assert np.array_equal(refine_lockstep(given, grid, lens, costs, cost, cap, sums=sums), out)
+    assert np.array_equal(given, bin_of)
     assert lockstep(out)[2] <= before * (1 + 1e-12)
 
 

@@ -218,14 +218,15 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     nb = D * K
-    tokens = np.bincount(bin_of, weights=lens, minlength=nb)
-    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), tokens, np.bincount(bin_of, minlength=nb))
+    additive, tokens, count = (np.bincount(bin_of, weights=costs, minlength=nb),
+                               np.bincount(bin_of, weights=lens, minlength=nb), np.bincount(bin_of, minlength=nb))
+    mc = bin_costs(cost, additive, tokens, count)
     width = cfg.static_cp_size
     if width > 1:
         mc = cp_micro_costs(cost, mc, tokens, width)
     grid = arrange(mc, D, K)
-    out = refine_lockstep(bin_of, grid, lens, costs, cost, cap, extra=extra)
-    if slots is not None and np.array_equal(out, bin_of):  # no move: the same costs, the same grid
+    out = refine_lockstep(bin_of, grid, lens, costs, cost, cap, extra=extra, sums=(additive, tokens, count))
+    if slots is not None and (out is bin_of or np.array_equal(out, bin_of)):  # no move: the same costs and grid
         slots[K] = Slots(out, mc, grid)
     return out
 
