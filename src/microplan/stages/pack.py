@@ -93,7 +93,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
-        srt = np.argsort(load_c, kind="stable")
+        srt = load_c.argsort(kind="stable")
         size = min(B, n - pos)
         top = srt[:size]
         ls = load_c[top]
@@ -102,7 +102,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             ok_prefix = ls <= ls[0] + cc
         else:
             ok_prefix = ls <= ls[0] + cc * inv_w[top] + (0.0 if tok_w is None else ts[pos:pos + size] * tok_w[top])
-        k = int(np.argmin(ok_prefix))  # the first bin a one-at-a-time LPT might not reach
+        k = int(ok_prefix.argmin())  # the first bin a one-at-a-time LPT might not reach
         c = size if ok_prefix[k] else max(k, 1)
         chunk, bins, cc, tc = order[pos:pos + c], top[:c], cc[:c], ts[pos:pos + c]
         use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # type: ignore[index]  # plus halo room
@@ -111,7 +111,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
         if ex is not None:
             xc = ex[chunk]
             fits = (load_x[bins] + xc <= ex_cap) if fits is None else fits & (load_x[bins] + xc <= ex_cap)
-        if fits is not None and not fits.all():
+        if fits is not None and np.count_nonzero(fits) < c:  # (cheaper than fits.all()'s reduction)
             chunk, bins, cc, tc, use, rest = chunk[fits], bins[fits], cc[fits], tc[fits], use[fits], chunk[~fits]
             xc = None if ex is None else xc[fits]
             bin_of[chunk] = bins
