@@ -246,3 +246,26 @@ def test_bench_meter_informed_estimator_is_exact_without_noise():
     noisy = bmeter.run_case("long-context", 8, 1, "attn1.2/over0.1", spec=(1.2, 0.1, False), noise=0.05,
                             informed=True, warmup=1)
     assert len(noisy["informed"]) == bmeter.SCORED and min(noisy["informed"]) >= 1.0
+
+
+def test_plan_hashes_cover_valid_plans_and_see_a_change():
+    """benchmarks/plan_hashes.py: every case plans and validates, a re-plan prints the same
+    fingerprints (the plan is a pure function of its inputs), and one more token in one sample
+    changes the plan JSON's."""
+    from benchmarks import plan_hashes
+
+    names = set()
+    for name, batch, cfg in plan_hashes.cases():
+        plan = mp.plan(batch, cfg)
+        plan.validate()
+        assert plan_hashes.fingerprint(plan) == plan_hashes.fingerprint(mp.plan(batch, cfg))
+        names.add(name)
+    assert len(names) == 16
+    name, batch, cfg = plan_hashes.cases()[1]
+    before = plan_hashes.fingerprint(mp.plan(batch, cfg))
+    lens = np.asarray(batch.seq_lens).copy()
+    lens[0] += 1  # one more token in one sample: other loss scales, maybe another packing
+    changed = mp.Batch(lens, prompt_lens=batch.prompt_lens, prompt_ids=batch.prompt_codes,
+                       rollout_ids=batch.rollout_codes)
+    after = plan_hashes.fingerprint(mp.plan(changed, cfg))
+    assert after[0] != before[0]

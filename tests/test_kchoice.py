@@ -126,6 +126,12 @@ def test_lockstep_refine_never_hurts(seed, dp, K, packed):
     assert after_same_grid <= before * (1 + 1e-12)
     assert np.bincount(out, weights=lens, minlength=nb).max() <= cap
     assert np.bincount(out, minlength=nb).min() >= 1
+    # the caller's bin sums (fit._pack_at passes them) give the same result; the input is never written
+    given = bin_of.copy()
+    sums = (np.bincount(given, weights=costs, minlength=nb), np.bincount(given, weights=lens, minlength=nb),
+            np.bincount(given, minlength=nb))
+    assert np.array_equal(refine_lockstep(given, grid, lens, costs, cost, cap, sums=sums), out)
+    assert np.array_equal(given, bin_of)
     assert lockstep(out)[2] <= before * (1 + 1e-12)
 
 
@@ -235,3 +241,29 @@ def test_more_micro_batches_must_win_by_more_than_a_near_tie(gain, expect):
                               pack=lambda K: f"packing {K}", time=lambda K, b: times.get(K, 2.0))
     assert (K, got) == (expect, f"packing {expect}")
     assert [k for k, _ in choice.candidates] == [3, 4]
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.sampled_from(["micro", "step"]), st.sampled_from([1, 2]),
+       st.booleans(), st.integers(2, 6))
+def test_layout_grid_is_arrange_of_its_costs(seed, sync, cp, dense, dp):
+    """The fit hands its packing's costs and slot grid to the layout (``fit.Slots``), which re-uses the
+    grid only for equal costs: the layout's grid is always ``arrange`` of the layout's own bin costs,
+    and without CP (whose fit counts halo rows the layout's costs do not) the K timer's recorded time
+    is the layout's predicted time."""
+    from microplan.planner import _context
+    from microplan.stages.granularity import best_layout
+    from microplan.stages.steps import split_steps
+
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, 3000, int(rng.integers(dp, 40 * dp)))
+    cost = mp.FlopsCost(linear=1.0, quadratic=1e-3, per_micro=50.0, packed_quadratic=1e-3 if dense else 0.0)
+    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=3000 if cp == 1 else 1600, cost=cost, sync=sync,
+                        context_parallel=mp.ContextParallel(size=cp) if cp > 1 else None)
+    batch = mp.Batch(lens)
+    ctx = _context(batch, cfg, None)
+    for s, samples in enumerate(split_steps(batch, None).steps):
+        lay = best_layout(s, samples, ctx)
+        per_gpu = lay.bin_costs if cp == 1 else mp.cost.cp.cp_micro_costs(cost, lay.bin_costs, lay.bin_tokens, cp)
+        assert np.array_equal(lay.grid, arrange(per_gpu, dp, lay.K))
+        if cp == 1:
+            assert dict(lay.choice.candidates)[lay.K] == pytest.approx(lay.time, rel=1e-12)

@@ -66,3 +66,29 @@ def test_a_ranks_placeholders_are_one_object():
     assert len(rows[0]) > 1 and not any(m.is_placeholder for m in rows[0])
     for r, row in enumerate(rows[1:], start=1):
         assert all(m is row[0] for m in row) and row[0].is_placeholder and row[0].cp_group == (r,)
+
+
+def test_grid_pass_builds_the_row_pass_micros():
+    """``_micro_grid`` (every rank at once, no placeholder) builds the Micros ``_micro_row`` builds
+    rank by rank: same arrays, CP fields, footprint, and one cp_group tuple per rank."""
+    from microplan.footprint import footprint_of
+    from microplan.types import _micro_grid, _micro_row
+
+    n, D, K = 60, 4, 3
+    rng = np.random.default_rng(5)
+    cols = [np.arange(n, dtype=np.int64), rng.integers(1, 99, n), rng.integers(0, 9, n), rng.random(n)]
+    for a in cols:
+        a.setflags(write=False)
+    cuts = np.sort(rng.choice(np.arange(1, n), D * K - 1, replace=False)).tolist()
+    spans = list(zip([0] + cuts, cuts + [n]))
+    rng.shuffle(spans)
+    los, his = [lo for lo, _ in spans], [hi for _, hi in spans]
+    batch = mp.Batch(cols[1])
+    for cp, fp in ((1, None), (2, footprint_of(batch, mp.PlanConfig(dp_size=D, max_tokens_per_micro=999,
+                                                                        pad_to_multiple_of=8)))):
+        grid = _micro_grid(cols, los, his, K, cp, fp)
+        rows = [_micro_row(cols, los[r * K:(r + 1) * K], his[r * K:(r + 1) * K], (r,), cp, fp) for r in range(D)]
+        assert [len(row) for row in grid] == [K] * D
+        for r in range(D):
+            assert grid[r] == rows[r] and all(m.cp_group is grid[r][0].cp_group == (r,) for m in grid[r])
+            assert all(m.cp_size == cp and m.footprint is fp for m in grid[r])

@@ -60,3 +60,21 @@ def test_via_key_matches_numpy(n, shape, seed):
          "decreasing": lambda: -1.0 * lens}[shape]()
     for desc in (False, True):
         assert np.array_equal(stable_argsort_via(x, lens, descending=desc), np.argsort(-x if desc else x, kind="stable"))
+
+
+@pytest.mark.parametrize("dtype", [np.int8, np.uint8, np.int16, np.uint16, np.int32, np.int64, np.uint64])
+@pytest.mark.parametrize("span", [1, 255, 256, 65535, 65536, 70000])
+def test_narrow_int_ranges_take_the_radix_path(dtype, span):
+    """Ranges under 2^16 (uint8/uint16 radix sort) and just past it (composite key), every int
+    dtype, offsets near the dtype's limits: the stable order of the values (Python's sort of the
+    ints; ``np.argsort(-x)`` itself wraps at a signed dtype's minimum), ties by index."""
+    info = np.iinfo(dtype)
+    span = min(span, int(info.max) - int(info.min))
+    rng = np.random.default_rng(span)
+    for lo in (int(info.min), min(0, int(info.max) - span), int(info.max) - span):
+        vals = [lo, lo + span, lo] + [lo + int(v) for v in rng.integers(0, span + 1, 4997)]  # both ends present
+        x = np.array(vals, dtype=dtype)
+        for desc in (False, True):
+            want = sorted(range(x.size), key=lambda i: -vals[i] if desc else vals[i])
+            got = stable_argsort(x, descending=desc)
+            assert got.dtype == np.int64 and got.tolist() == want

@@ -4,10 +4,13 @@ Design note. numpy's stable argsort is a timsort for 32/64-bit keys (radix only 
 several times slower than ``np.sort`` (a SIMD sort) on the 2k-16k element arrays the planner
 orders. Stability is folded into the key instead: each element's value rank (an integer
 offset, or the tie group of an unstable float argsort) is shifted left past its index bits, so
-the keys are distinct, ``np.sort`` orders them, and the low bits are the stable order. Falls
+the keys are distinct, ``np.sort`` orders them, and the low bits are the stable order. Ints
+whose range fits 16 bits (lengths up to 64k, bin ids of up to 65,536 micro-batches) take numpy's
+own stable radix sort instead, on the offsets cast to uint16/uint8: O(n), no composite key. Falls
 back to numpy's stable argsort when the keys would not fit 63 bits, for NaNs, small arrays
 (numpy's timsort wins below ~1k ints / ~4k floats, and on nearly sorted data) and other dtypes.
-Measured (16,384 GRPO lengths, this VM): ints 1.0 ms -> 0.2 ms, floats 1.4 ms -> 0.55 ms.
+Measured (16,384 GRPO lengths, this VM): ints 1.0 ms -> 0.2 ms (composite key) -> 0.12 ms (radix,
+range < 2^16), floats 1.4 ms -> 0.55 ms.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def stable_argsort(x: np.ndarray, *, descending: bool = False) -> np.ndarray:
     shift = (n - 1).bit_length()
     if x.dtype.kind in "iu":
         lo, hi = int(x.min()), int(x.max())
+        if hi - lo < 1 << 16:  # numpy's stable sort is a radix sort for 8/16-bit ints
+            rel = (hi - x) if descending else (x - lo)
+            return np.argsort(rel.astype(np.uint8 if hi - lo < 1 << 8 else np.uint16), kind="stable")
         if hi - lo < 1 << (62 - shift):
             rel = (hi - x) if descending else (x - lo)
             return _low_bits(rel.astype(np.int64, copy=False), shift)

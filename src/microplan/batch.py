@@ -139,27 +139,31 @@ def _factorize(name: str, ids: Any, n: int) -> _Codes:
         first = np.fromiter(map(first_of.__getitem__, values), dtype=np.int64, count=n)
         is_first = np.zeros(n, dtype=bool)
         is_first[first] = True
-        codes = (np.cumsum(is_first) - 1)[first]
+        codes, peak = (np.cumsum(is_first) - 1)[first], None
     else:
         if arr is None:
             try:
                 arr = np.asarray(values, dtype=np.int64)
             except OverflowError:
                 raise PlanError(f"{name} holds an int outside int64; pass ids within ±2**63, or strings.") from None
-        codes = _int_codes(arr)
+        codes, peak = _int_codes(arr)
     new = np.ones(n, dtype=bool)  # codes are dense in first-appearance order: a new code tops all before it
     if n > 1:
-        new[1:] = codes[1:] > np.maximum.accumulate(codes)[:-1]
+        new[1:] = codes[1:] > (np.maximum.accumulate(codes) if peak is None else peak)[:-1]
     return _Codes(codes, np.flatnonzero(new), values)
 
 
-def _int_codes(arr: np.ndarray) -> np.ndarray:
+def _int_codes(arr: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
     """Dense codes of int ids in order of first appearance: the ids themselves when they are such
     codes already (0, then each new id one above all before it: ``np.repeat(arange(P), G)``), else
-    one stable sort (``_sort.stable_argsort``; ``np.unique`` with return_index/inverse sorted twice)."""
+    one stable sort (``_sort.stable_argsort``; ``np.unique`` with return_index/inverse sorted twice).
+    With the codes, their running maximum when it was computed (the ids' own), else None. ``arr`` is
+    the caller's own copy: int64 ids that are codes already are returned, not copied again."""
     n = arr.size
-    if n and arr[0] == 0 and (arr[1:] <= np.maximum.accumulate(arr)[:-1] + 1).all() and arr.min() >= 0:
-        return arr.astype(np.int64)
+    if n and arr[0] == 0:
+        peak = np.maximum.accumulate(arr)
+        if (arr[1:] <= peak[:-1] + 1).all() and arr.min() >= 0:
+            return (arr if arr.dtype == np.int64 else arr.astype(np.int64)), peak
     order = stable_argsort(arr)
     srt = arr[order]
     start = np.ones(n, dtype=bool)
@@ -170,7 +174,7 @@ def _int_codes(arr: np.ndarray) -> np.ndarray:
     rank[np.argsort(first)] = np.arange(first.size, dtype=np.int64)  # distinct keys: any sort is stable
     codes = np.empty(n, dtype=np.int64)
     codes[order] = rank[group]
-    return codes
+    return codes, None
 
 
 def _id_kind(name: str, values: list[Any], types: set[type]) -> str:

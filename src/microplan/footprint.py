@@ -194,23 +194,33 @@ class Footprint:
 
     def bin_costs(self, cost: CostModel, idx: np.ndarray, bin_of: np.ndarray, num_bins: int) -> np.ndarray:
         """Predicted cost of each bin's shape (per_micro included; an empty bin costs per_micro)."""
+        return self.bin_shape(cost, idx, bin_of, num_bins)[1]
+
+    def bin_shape(self, cost: CostModel, idx: np.ndarray, bin_of: np.ndarray,
+                  num_bins: int) -> tuple[np.ndarray, np.ndarray]:
+        """(:meth:`bin_tokens`, :meth:`bin_costs`) of the bins, the shared sums taken once (varlen
+        without a row multiple: no row pad, so no pad terms)."""
         count = np.bincount(bin_of, minlength=num_bins)
-        tokens = self.bin_tokens(idx, bin_of, num_bins)
         if self.padded:
+            tokens = count * self._bin_width(idx, bin_of, num_bins)
             w = np.where(count > 0, tokens // np.maximum(count, 1), 0)
-            additive = count * row_costs(cost, w.astype(np.float64), count)
+            out = count * row_costs(cost, w.astype(np.float64), count)
+            out = out + float(cost.per_micro)  # each row its own sequence: no packed row (a dense kernel runs every row alone)
         else:
-            additive = np.bincount(bin_of, weights=cost.sample_costs(self.sample_tokens[idx]), minlength=num_bins)
-            pad = tokens - np.bincount(bin_of, weights=self.sample_tokens[idx], minlength=num_bins).astype(np.int64)
-            additive = additive + np.where(pad > 0, cost.sample_costs(pad), 0.0)
-        if self.padded:  # each row its own sequence: no packed row (a dense kernel runs every row alone)
-            out = additive + float(cost.per_micro)
-        else:  # the row pad runs as one more sequence of the packed row
-            seqs = count + (pad > 0)
+            st = self.sample_tokens[idx]
+            held = np.bincount(bin_of, weights=st, minlength=num_bins).astype(np.int64)
+            additive = np.bincount(bin_of, weights=cost.sample_costs(st), minlength=num_bins)
+            seqs = count
+            tokens = held
+            if self.padding.row_multiple > 1:  # the row pad runs as one more sequence of the packed row
+                tokens = round_up(held, self.padding.row_multiple)
+                pad = tokens - held
+                additive = additive + np.where(pad > 0, cost.sample_costs(pad), 0.0)
+                seqs = count + (pad > 0)
             out = _bin_costs(cost, additive, tokens.astype(np.float64), seqs)
         if self.vision_costs is not None:
             out = out + np.bincount(bin_of, weights=self.vision_costs[idx], minlength=num_bins)
-        return out
+        return tokens, out
 
     def same_rules(self, other: Footprint | None) -> bool:
         return self.padding == (other.padding if other is not None else Padding())
@@ -303,22 +313,24 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     dyn = cp is not None and cp.dynamic  # dynamic CP: a sample may take up to max_size GPUs (stages/cp.py)
     width = int(cp.max_size) if dyn else config.static_cp_size  # type: ignore[union-attr]
     cap = config.max_tokens_per_micro * width
-    alone = fp.sample_tokens if fp.padded else round_up(fp.sample_tokens, fp.padding.row_multiple)
-    base, halo = alone, np.zeros_like(alone)  # split over a group, a GPU also runs 2 halo rows per segment
+    r = fp.padding.row_multiple
+    alone = fp.sample_tokens if fp.padded or r == 1 else round_up(fp.sample_tokens, r)
+    base, halo = alone, None  # split over a group, a GPU also runs 2 halo rows per segment
     if not fp.padded and width > 1:
         if dyn:  # a sample is split only when it exceeds one GPU: its row and the row pad's segment
             halo = halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * (alone > config.max_tokens_per_micro)
         else:  # static CP: the packer's rule, the sample and its halo room under packing_cap
             base, halo = fp.sample_tokens, np.full_like(alone, halo_per_segment(width))
             cap = int(packing_cap(config))  # type: ignore[arg-type]
-    held = base + halo
+    held = base if halo is None else base + halo
     if held.size and int(held.max()) > cap:
         j = int(np.argmax(held - cap))
         full = config.max_tokens_per_micro * width
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
             (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {full}" if width > 1 else "") + \
             (f", {cap} once the row pad's halo rows and the row multiple are taken off" if cap != full else "")
-        rows = "" if not halo[j] else f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
+        rows = "" if halo is None or not halo[j] else \
+            f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
@@ -344,10 +356,10 @@ def bin_footprint(fp: Footprint, cost: CostModel, samples: np.ndarray, bin_of: n
     ``forest`` (``prefix.forest_of``): the bins hold prefix tries (``share_prefixes``) — unique
     tokens, each trie segment padded to the sample multiple, the row to the row multiple, the
     row pad run as one more sequence, attention priced by each token's depth. Without it: the
-    samples laid out under the layout's rules (:meth:`Footprint.bin_tokens`, :meth:`Footprint.bin_costs`).
+    samples laid out under the layout's rules (:meth:`Footprint.bin_shape`).
     """
     if forest is None:
-        return fp.bin_tokens(samples, bin_of, num_bins), fp.bin_costs(cost, samples, bin_of, num_bins)
+        return fp.bin_shape(cost, samples, bin_of, num_bins)
     from .trie import set_tries
     tries = set_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
                       multiple=fp.padding.sample_multiple)

@@ -16,8 +16,8 @@ Design note. Steps are cut first (groups atomic), then each step runs the same f
 No I/O, no collectives, no global state: any process that holds the same batch and config
 computes the same plan, bit for bit. What cannot compose for a physical reason is refused in
 ``config.py`` and listed in docs/planner.md. Measured: a 16,384-sample step at dp=128 plans in
-~13 ms of CPU time on the shared 2-core VM at load ~4 (27 ms before issue 20's speed work;
-benchmarks/bench_speed.py has the wall times beside slime's and verl's).
+~9.6 ms of CPU time on the shared 2-core VM at load ~5 (14 ms after issue 20's first speed pass,
+27 ms before it; benchmarks/bench_speed.py has the wall times beside slime's and verl's).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ read (``_Column``); pickling or copying one carries its own arrays only. Trade-o
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import repeat
+from itertools import chain, repeat
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -212,6 +212,26 @@ def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tu
     for k, m in zip(full, made):
         row[k] = m
     return row
+
+
+def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, cp_size: int,
+                footprint: Footprint | None) -> list[list[Micro]]:
+    """Every rank's Micros in one pass when no span is empty (no placeholder): rank r's m-th holds
+    ``cols[c][los[r·K + m]:his[r·K + m]]``. The same Micros as :func:`_micro_row` per rank, built
+    by one comprehension over the flat grid and cut into rows (16k samples, dp 128: ~0.3 ms less
+    than 128 row calls). ``K`` >= 1."""
+    i = cols[0]
+    groups = chain.from_iterable(repeat((r,), K) for r in range(len(los) // K))  # one tuple per rank
+    ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g} for lo, hi, g in zip(los, his, groups)]
+    if cp_size != 1 or footprint is not None:
+        extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
+        if footprint is not None:
+            extra["footprint"] = footprint
+        for d in ds:
+            d.update(extra)
+    made = list(map(_new, repeat(Micro, len(ds))))
+    list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+    return [made[k:k + K] for k in range(0, len(made), K)]
 
 
 def _same_rules(a: Footprint | None, b: Footprint | None) -> bool:

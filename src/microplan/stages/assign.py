@@ -25,13 +25,14 @@ def arrange(micro_costs: np.ndarray, dp: int, K: int) -> np.ndarray:
     ``micro_costs`` has exactly ``dp·K`` entries (placeholders included).
     """
     order = stable_argsort(micro_costs, descending=True)
+    ranked = micro_costs[order]                        # the costs in that order: a slot's block is a slice
     grid = np.empty((dp, K), dtype=np.int64)
     rank_load = np.zeros(dp, dtype=np.float64)
     for m in range(K):
         block = order[m * dp:(m + 1) * dp]           # descending cost
-        ranks = np.argsort(rank_load, kind="stable")  # lightest rank first
+        ranks = rank_load.argsort(kind="stable")      # lightest rank first
         grid[ranks, m] = block
-        rank_load[ranks] += micro_costs[block]
+        rank_load[ranks] += ranked[m * dp:(m + 1) * dp]
     return grid
 
 

@@ -46,6 +46,7 @@ class Atoms(NamedTuple):
     vision: np.ndarray | None     # int64 vision tokens (only when a vision cap applies), else None
     trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
     segs: np.ndarray | None = None  # int64 row segments of each atom alone (under CP only; see atom_segments)
+    one_each: bool = False        # known to hold one sample per atom (sample_atoms): ``single`` without the O(n) test
 
     @property
     def size(self) -> int:
@@ -54,7 +55,8 @@ class Atoms(NamedTuple):
     @property
     def single(self) -> bool:
         """One sample per atom (``samples_of`` is a gather, a bin's samples are its atoms)."""
-        return self.members.size == self.tokens.size and bool((self.ptr[1:] - self.ptr[:-1] == 1).all())
+        return self.one_each or (self.members.size == self.tokens.size
+                                 and bool((self.ptr[1:] - self.ptr[:-1] == 1).all()))
 
     def samples_of(self, atoms: np.ndarray) -> np.ndarray:
         """The member samples of the given atoms, atom by atom."""
@@ -79,7 +81,7 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
     ptr = np.arange(samples.size + 1, dtype=np.int64)
     return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples, ptr,
                  None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes,
-                 atom_segments(samples, ptr, ctx.cfg.share_prefixes, ctx))
+                 atom_segments(samples, ptr, ctx.cfg.share_prefixes, ctx), True)
 
 
 def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:

@@ -43,7 +43,9 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
         order = stable_argsort(kept)
         kept, sbin = kept[order], sbin[order]                    # ascending global index
     assert cfg.loss is not None
-    coef = loss_coefficients(cfg.loss, b.loss_tokens[kept], b.prompt_codes[kept], b.rollout_codes[kept])
+    every = kept.size == b.num_samples  # ascending distinct samples, all of them: kept is arange(n), no gather
+    cols = (b.loss_tokens, b.prompt_codes, b.rollout_codes)
+    coef = loss_coefficients(cfg.loss, *(cols if every else [c[kept] for c in cols]))
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
     if not atoms.trees:  # a rank's placeholders share one (immutable) Micro

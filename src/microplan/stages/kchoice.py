@@ -50,7 +50,7 @@ from ..cost.models import CostModel, bin_costs, is_additive
 from ..types import KChoice
 from .assign import arrange, grid_time
 
-__all__ = ["KChoice", "step_time", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
+__all__ = ["KChoice", "step_time", "step_slots", "time_lower_bounds", "best_lower_bound", "packed_slope", "MAX_EVALS",
            "choose_k", "choose_k_pipeline", "SLACK"]
 
 MAX_EVALS = 24  # packings tried per step when the cost has a packed-row term
@@ -66,14 +66,21 @@ def step_time(bin_of: np.ndarray, num_bins: int, dp: int, K: int, lens: np.ndarr
     slots by :func:`arrange` exactly as the planner will arrange them. ``width``: the static CP
     degree (each GPU of a group pays :func:`~microplan.cost.cp.cp_micro_costs`).
     """
+    mc, grid = step_slots(bin_of, dp, K, lens, costs, cost, width=width)
+    return grid_time(mc[grid], sync)
+
+
+def step_slots(bin_of: np.ndarray, dp: int, K: int, lens: np.ndarray, costs: np.ndarray, cost: CostModel, *,
+               width: int = 1) -> tuple[np.ndarray, np.ndarray]:
+    """The per-GPU cost of each of the dp·K micro-batches of ``bin_of`` and their slot grid
+    (:func:`arrange`), as :func:`step_time` prices them."""
     nb = dp * K
     additive = np.bincount(bin_of, weights=costs, minlength=nb)
     tokens = np.bincount(bin_of, weights=lens, minlength=nb)
     mc = bin_costs(cost, additive, tokens, np.bincount(bin_of, minlength=nb))
     if width > 1:
         mc = cp_micro_costs(cost, mc, tokens, width)
-    grid = arrange(mc, dp, K)
-    return grid_time(mc[grid], sync)
+    return mc, arrange(mc, dp, K)
 
 
 def packed_slope(cost: CostModel, T: float) -> float:

@@ -35,27 +35,26 @@ _PATIENCE = 12    # changes without a strict gain (plateau moves) before giving 
 
 def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray,
                     cost: CostModel, cap: int, *, max_iters: int | None = None,
-                    rel_tol: float = 1e-5, extra: tuple[np.ndarray, int] | None = None) -> np.ndarray:
-    """An improved copy of ``bin_of`` for the slot layout ``grid[r, m]`` (bins keep their slot)."""
+                    rel_tol: float = 1e-5, extra: tuple[np.ndarray, int] | None = None,
+                    sums: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """An improved copy of ``bin_of`` for the slot layout ``grid[r, m]`` (bins keep their slot); ``bin_of``
+    itself when the pass stops before any change. ``sums``: the bins' cost, token and sample sums when
+    the caller has them (float64, float64, int64; the pass updates them in place)."""
     D, K = grid.shape
     nb = D * K
     n = lens.size
     if K < 1 or n <= 1:
         return bin_of
-    bin_of = bin_of.copy()
-    slot_of = np.empty(nb, dtype=np.int64)
-    slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)  # grid is [D, K] row-major
-    A = np.bincount(bin_of, weights=costs, minlength=nb)
-    T = np.bincount(bin_of, weights=lens, minlength=nb)
-    cnt = np.bincount(bin_of, minlength=nb)
+    A, T, cnt = sums if sums is not None else (np.bincount(bin_of, weights=costs, minlength=nb),
+                                               np.bincount(bin_of, weights=lens, minlength=nb),
+                                               np.bincount(bin_of, minlength=nb))
     X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
     real = cnt > 0
     c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
     C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
-    lens_f = lens.astype(np.float64)
     iters = max_iters if max_iters is not None else min(2 * K + 16, 64)
-    floor = max(float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D,  # nothing beats the mean
-                float(bin_costs(cost, costs, lens_f, 1).max()))
+    mean = float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D  # nothing beats the mean
+    lens_f = floor = None  # and the costliest lone sample: O(n), computed once the mean alone does not stop
     stuck: set[int] = set()
     best_obj, since = np.inf, 0
     for _ in range(iters):
@@ -68,7 +67,15 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
         if not cand:
             break
         obj = float(top.sum())
-        if obj <= floor * (1 + STOP_GAP):  # within 0.1 % of the mean: below any machine's timing noise
+        if obj <= mean * (1 + STOP_GAP):  # within 0.1 % of the mean: below any machine's timing noise
+            break
+        if floor is None:
+            lens_f = lens.astype(np.float64)
+            floor = max(mean, float(bin_costs(cost, costs, lens_f, 1).max()))
+            bin_of = bin_of.copy()
+            slot_of = np.empty(nb, dtype=np.int64)
+            slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)  # grid is [D, K] row-major
+        if obj <= floor * (1 + STOP_GAP):
             break
         if obj < best_obj * (1 - rel_tol):
             best_obj, since = obj, 0

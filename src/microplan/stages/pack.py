@@ -13,7 +13,8 @@ Cost: O(n log n + rounds · m log m). The descending order is one sort of the in
 the costs rise with them (``_sort.stable_argsort_via``), and the samples are permuted into it
 once, so a round's chunk is a slice. Measured (16,384 GRPO samples into 2,304 bins, 11 rounds,
 CPU time on the shared VM at load ~4, same process): 2.1 ms, 3.8 ms with numpy's stable argsort
-and per-round gathers.
+and per-round gathers; a chunk that fits takes its bins' new loads from the loads it compared
+(two gathers fewer per round) and tests fits with ``count_nonzero``: 2.2 -> 1.6 ms (load ~3).
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
                   extra: Extra | None = None, extra_load: np.ndarray | None = None,
                   room: np.ndarray | None = None,
                   increments: tuple[np.ndarray, np.ndarray] | None = None,
-                  halo: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray | None:
+                  halo: tuple[np.ndarray, np.ndarray] | None = None,
+                  order: np.ndarray | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
     ``load``/``tokens`` give each bin's starting per-GPU load and tokens (e.g. a long sample
@@ -67,11 +69,13 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     capacity when it is not width·cap (a row multiple); ``increments``: (per cost, per token), the
     per-GPU load a sample adds to each bin (a priced CP group, ``stages/cp.py``) instead of
     cost / width; ``halo``: (segments per sample, tokens per segment per bin), room a sample takes
-    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``). Returns the
-    bin of each sample, or None if one fits nowhere.
+    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``); ``order``: the
+    placement order when the caller has it, ``stable_argsort_via(costs, seq_lens, descending=True)``.
+    Returns the bin of each sample, or None if one fits nowhere.
     """
     n, B = seq_lens.size, width.size
-    order = stable_argsort_via(costs, seq_lens, descending=True)  # costs usually rise with length
+    if order is None:
+        order = stable_argsort_via(costs, seq_lens, descending=True)  # costs usually rise with length
     load_c = np.zeros(B, dtype=np.float64) if load is None else load
     load_t = np.zeros(B, dtype=np.int64) if tokens is None else tokens
     room_t = None if cap is None else width * cap if room is None else room
@@ -81,12 +85,16 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     tok_w = None if increments is None else increments[1]
     unit = increments is None and bool((width == 1).all())  # x · 1.0 + 0.0 == x: the scaling is skipped
     cs, ts = costs[order], seq_lens[order]  # in placement order: a round's chunk is a slice, not a gather
-    segs, per_seg = (np.zeros(n, dtype=np.int64), np.zeros(B, dtype=np.int64)) if halo is None else halo
-    ss = segs[order]
+    if halo is None:
+        segs = per_seg = ss = None
+    else:
+        segs, per_seg = halo
+        ss = segs[order]
+    lim = cap if room is None and cap is not None and bool((width == 1).all()) else None  # one room for every bin
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
     while pos < n:
-        srt = np.argsort(load_c, kind="stable")
+        srt = load_c.argsort(kind="stable")
         size = min(B, n - pos)
         top = srt[:size]
         ls = load_c[top]
@@ -95,33 +103,40 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             ok_prefix = ls <= ls[0] + cc
         else:
             ok_prefix = ls <= ls[0] + cc * inv_w[top] + (0.0 if tok_w is None else ts[pos:pos + size] * tok_w[top])
-        c = size if ok_prefix.all() else max(int(np.argmin(ok_prefix)), 1)
+        k = int(ok_prefix.argmin())  # the first bin a one-at-a-time LPT might not reach
+        c = size if ok_prefix[k] else max(k, 1)
         chunk, bins, cc, tc = order[pos:pos + c], top[:c], cc[:c], ts[pos:pos + c]
-        use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # tokens plus halo room
-        fits = None if room_t is None else load_t[bins] + use <= room_t[bins]
+        use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # type: ignore[index]  # plus halo room
+        held = load_t[bins] + use
+        fits = None if room_t is None else held <= (lim if lim is not None else room_t[bins])
         if ex is not None:
             xc = ex[chunk]
             fits = (load_x[bins] + xc <= ex_cap) if fits is None else fits & (load_x[bins] + xc <= ex_cap)
-        if fits is not None and not fits.all():
+        if fits is not None and np.count_nonzero(fits) < c:  # (cheaper than fits.all()'s reduction)
             chunk, bins, cc, tc, use, rest = chunk[fits], bins[fits], cc[fits], tc[fits], use[fits], chunk[~fits]
             xc = None if ex is None else xc[fits]
-        else:
+            bin_of[chunk] = bins
+            load_c[bins] += cc if unit else cc * inv_w[bins] + (0.0 if tok_w is None else tc * tok_w[bins])
+            load_t[bins] += use
+        else:  # the whole chunk fits: the loads gathered above are the bins' loads
             rest = chunk[:0]
-        bin_of[chunk] = bins
-        load_c[bins] += cc if unit else cc * inv_w[bins] + (0.0 if tok_w is None else tc * tok_w[bins])
-        load_t[bins] += use
+            bin_of[chunk] = bins
+            load_c[bins] = ls[:c] + cc if unit else ls[:c] + (cc * inv_w[bins] + (0.0 if tok_w is None
+                                                                                  else tc * tok_w[bins]))
+            load_t[bins] = held
         if ex is not None:
             load_x[bins] += xc
         for s in rest:
-            room = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] + segs[s] * per_seg <= room_t
+            need = seq_lens[s] if halo is None else seq_lens[s] + segs[s] * per_seg  # type: ignore[index]
+            room_s = np.ones(B, dtype=bool) if room_t is None else load_t + need <= room_t
             if ex is not None:
-                room &= load_x + ex[s] <= ex_cap
-            if not room.any():
+                room_s &= load_x + ex[s] <= ex_cap
+            if not room_s.any():
                 return None
-            b = int(np.argmin(np.where(room, load_c, np.inf)))
+            b = int(np.argmin(np.where(room_s, load_c, np.inf)))
             bin_of[s] = b
             load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
-            load_t[b] += seq_lens[s] + segs[s] * per_seg[b]
+            load_t[b] += seq_lens[s] + (0 if halo is None else segs[s] * per_seg[b])  # type: ignore[index]
             if ex is not None:
                 load_x[b] += ex[s]
         pos += c

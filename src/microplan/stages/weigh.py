@@ -40,7 +40,7 @@ def loss_coefficients(loss: Loss, loss_tokens: np.ndarray, prompt_codes: np.ndar
         return np.zeros(0)
     if mode == "token-mean":
         total = n.sum()
-        c = np.full(S, 1.0 / total) if total > 0 else np.zeros(S)
+        c = 1.0 / total if total > 0 else 0.0  # one value for every sample (broadcast by the where below)
     elif mode == "token-sum":
         c = np.ones(S)
     elif mode == "seq-mean-token-sum":
