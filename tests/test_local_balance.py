@@ -89,7 +89,8 @@ def test_polish_never_raises_lockstep_and_keeps_rank_cap_and_bins(seed, D, K, pe
         assert (np.bincount(bins, minlength=K) >= 1).all(), "polish emptied a bin"
         old = np.bincount(rb.bins, weights=rb.lens, minlength=K)
         assert (tok <= np.maximum(cap, old)).all(), "polish broke the cap"
-        after[r] = bin_costs(cost, np.bincount(bins, weights=rb.costs, minlength=K), tok, np.bincount(bins, minlength=K))
+        after[r] = bin_costs(cost, np.bincount(bins, weights=rb.costs, minlength=K), tok,
+                             np.bincount(bins, minlength=K))
     lock = float((-np.sort(-after, axis=1)).max(axis=0).sum())
     assert lock <= before * (1 + 1e-12), (lock, before)
 

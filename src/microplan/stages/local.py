@@ -14,20 +14,33 @@ only regroup each rank's own samples. Per step:
    water-filled from the heaviest rank's total, never below the m-th heaviest sample of any rank
    (``fit.fill_targets``) — so the busiest rank spreads its work evenly while the others fill
    each slot no higher than that rank does.
-3. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
+3. Lift (lockstep, ≥ 2 busy ranks): a rank with a few coarse samples (three of 16k tokens among
+   16, K = 4) cannot meet slot 0's target, and every slot waits for its heaviest rank, so slot
+   0's target is raised to the heaviest bin some rank cannot avoid — first estimated (LPT of each
+   rank's 2K heaviest atoms), then measured (the heaviest refined bin after LPT toward the
+   targets) — and every rank is refined toward the lifted targets (``refine.refine_bins`` with
+   per-bin offsets, heaviest bin toward slot 0): the other ranks load slot 0 up to what the
+   coarse rank forces there anyway and empty their later slots.
+4. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
    fixed micro-batch costs this minimises the lockstep time Σ_m max_r cost(r, m): rank r's k
    heaviest micro-batches occupy k distinct slots, so the k-th largest slot maximum is at least
    max_r (k-th heaviest of rank r), which the sorted arrangement attains.
-4. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
+5. Polish (lockstep, at the chosen K): the ranks holding a slot's maximum move or swap atoms (and
+   pairs of atoms) between their own bins against the other ranks' slot maxima
+   (``local_refine.polish_local``); the lockstep time never rises.
+6. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
    are dropped until every rank fills K (``drop``), or a PlanError names the ranks (``error``).
 
 Guarantees: those of every plan (equal K, aligned, cap, coverage, exact loss scales computed
 over the whole step exactly as in global placement) plus: every sample runs on ``rank_of``.
-Measured trade-off (benchmarks/bench_planners.py, "local" rows, full run): pinned by verl's
-driver split, lockstep / LB is 1.003–1.009 median (global placement: 1.001–1.002); pinned by
-arrival order (round robin) it is 1.27–1.40 median, the ranks' unequal totals, which no local
-plan can recover (lockstep over the split's own bound stays ≤ 1.012). Planning costs ~10× the
-global planner at dp=128 (one packing per rank).
+The bound the split allows is ``stats.split_lower_bound`` (the busiest rank's own bound at the
+fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/bench_planners.py,
+"local" rows, full run 2026-11-26, lockstep / split bound, median/worst): pinned by verl's driver
+split, dp 8/32 1.0002–1.0052 / ≤ 1.0082 (was ≤ 1.0206 before steps 3 and 5), dp 128 ≤ 1.0159
+(bimodal; was 1.0191); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the
+global bound, are the split's and no local plan can recover them). Steps 3 and 5 cost
+~1.2× the local plan time at dp 128 (CPU time side by side over the 24 cases, 1.17×); planning
+is still ~10× the global planner at dp 128 (one packing per rank).
 """
 
 from __future__ import annotations
@@ -157,8 +170,9 @@ def _pack(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
 
 
 def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
-    """Steps 2-3 of the module note: LPT toward the shared targets, slot 0's target lifted to the
-    heaviest micro-batch of any rank, then every rank refined toward the (lifted) targets."""
+    """Steps 2-3 of the module note: LPT toward the shared targets (slot 0's at least the estimate
+    of the heaviest bin a rank cannot avoid), the rank with the heaviest bin refined until that bin
+    is measured, slot 0's target lifted to it, then every rank refined toward the targets."""
     cap = effective_cap(cfg)
     assert cap is not None
     lead, total = _leads(ranks, K, cfg, forced=True)
