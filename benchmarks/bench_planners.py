@@ -15,7 +15,8 @@ forward cap of 2, 3 or 4× the family's cap (cycled by seed) and scored with the
 verl's log-prob split (the same ``rearrange_micro_batches`` at ``log_prob_max_token_len_per_gpu``).
 
 Run: ``python -m benchmarks.bench_planners [--quick]``. Prints the table and writes
-``benchmarks/results/planners-<date>-<host>.{json,png}``.
+``benchmarks/results/planners-<date>-<host>.{json,png}`` (``planners-local-…`` when only the
+local rows run: ``--planners microplan-local microplan-local-rr``).
 """
 
 from __future__ import annotations
@@ -323,7 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
                   spg=SPG, dp=list(dps), seeds=list(seeds), targets=TARGETS,
                   labels={k: v[1] for k, v in PLANNERS.items()}, summary=summary, rows=rows)
     if not args.no_write:
-        stem = save_json("planners", result)
+        # a run of the local rows alone (--planners microplan-local microplan-local-rr) is its own file
+        local_only = all(p.startswith("microplan-local") for p in args.planners)
+        stem = save_json("planners-local" if local_only else "planners", result)
         plot(summary, args.planners, stem.with_suffix(".png"))
         print(f"\nwrote {stem}.json and {stem}.png")
     return result

@@ -38,9 +38,9 @@ fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/ben
 "local" rows, full run 2026-11-26, lockstep / split bound, median/worst): pinned by verl's driver
 split, dp 8/32 1.0002–1.0052 / ≤ 1.0082 (was ≤ 1.0206 before steps 3 and 5), dp 128 ≤ 1.0159
 (bimodal; was 1.0191); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the
-global bound, are the split's and no local plan can recover them). Steps 3 and 5 cost
-~1.2× the local plan time at dp 128 (CPU time side by side over the 24 cases, 1.17×); planning
-is still ~10× the global planner at dp 128 (one packing per rank).
+global bound, are the split's and no local plan can recover them). Steps 3 and 5 cost 1.11–1.19×
+the local plan time at dp 128 (CPU time side by side over the 24 cases); planning is still ~10×
+the global planner at dp 128 (one packing per rank).
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ def _min_count(ranks: _Ranks, cfg: PlanConfig) -> int:
 def _polish(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> list[np.ndarray]:
     """``local_refine.polish_local`` where it applies (default bin cost, lockstep sync, no CP/padding)."""
     if K < 2 or cfg.sync != "micro" or cfg.micro_batch_size is not None or ranks.padded is not None \
-            or cfg.static_cp_size != 1:
+            or cfg.static_cp_size != 1 or ranks.busy.size < 2:  # one busy rank: its total is the time
         return bins
     cap = effective_cap(cfg)
     assert cap is not None and cfg.cost is not None
