@@ -19,7 +19,8 @@ left to the packer (fine granularity, and the n_r² swap matrix).
 
 Guarantees: lockstep time never rises; cap and locality hold; deterministic (ties: lowest
 index). Cost: per change O(n_r² · K log K) numpy on the rank's n_r samples (a few dozen per
-rank in RL steps), at most ``max_changes`` changes per step (default 4·K + 8).
+rank in RL steps), at most ``max_changes`` changes per step (default min(4·K + 8, 48)), and a
+kind of change is skipped where it would price more than ``MAX_CANDIDATES``/K candidates at once.
 Measured (benchmarks/bench_planners.py, "local" rows pinned by verl's split, dp 8/32, 6 seeds,
 after the lift of ``local.py``): lockstep over the split's bound median 1.0018 -> 1.0009, worst
 1.0121 -> 1.0082, for ~5 % of the local plan time at dp 128 (profiled over the 24 cases). Pairs
@@ -38,7 +39,8 @@ from ..cost.models import CostModel, bin_costs
 __all__ = ["polish_local", "RankBins", "STOP_GAP", "MAX_ATOMS"]
 
 STOP_GAP = 1e-4  # a change must lower the step's lockstep time by this share of it
-MAX_ATOMS = 512  # ranks holding more atoms are not polished (fine granularity: LPT balances them)
+MAX_ATOMS = 256  # ranks holding more atoms are not polished (fine granularity: LPT balances them)
+MAX_CANDIDATES = 1 << 20  # (changes × K) of one kind evaluated at once; beyond it that kind is skipped
 
 
 class RankBins(NamedTuple):
@@ -59,7 +61,7 @@ def polish_local(ranks: dict[int, RankBins], grid: np.ndarray, cost: CostModel, 
     D, K = grid.shape
     grid = grid.copy()
     out: dict[int, np.ndarray] = {}
-    budget = 4 * K + 8 if max_changes is None else max_changes
+    budget = min(4 * K + 8, 48) if max_changes is None else max_changes
     tried: set[int] = set()
     while budget > 0:
         prof = -np.sort(-grid, axis=1)
@@ -154,24 +156,32 @@ def _best_unit_change(rb: RankBins, c: np.ndarray, others: np.ndarray, cost: Cos
         return None
     best_val = float(_objective(c[None], others)[0]) - tol
     best: tuple[int, int, int, np.ndarray] | None = None  # (unit out, unit in or -1, its bin, new costs)
-    # moves: unit x of a hot bin -> bin t
-    x = np.repeat(uh, K)
-    t = np.tile(np.arange(K), uh.size)
-    ok = (u.bin[x] != t) & (cnt[u.bin[x]] > u.count[x]) & (T[t] + u.lens[x] <= cap)
-    if X is not None:
-        ok &= X[t] + u.extra[x] <= extra_cap  # type: ignore[index]
-    cands = [(x[ok], np.full(int(ok.sum()), -1), t[ok])]
-    # swaps: unit x of a hot bin <-> unit y of another bin (a pair only against a single atom)
-    y = np.arange(u.first.size)
-    xx, yy = np.repeat(uh, y.size), np.tile(y, uh.size)
-    a, t2 = u.bin[xx], u.bin[yy]
-    ok = (a != t2) & ((u.count[xx] == 1) | (u.count[yy] == 1)) & (~hot[t2] | (a < t2) | (u.count[xx] != u.count[yy]))
-    dl = u.lens[xx] - u.lens[yy]
-    ok &= (T[t2] + dl <= cap) & (T[a] - dl <= cap)
-    if X is not None:
-        dx = u.extra[xx] - u.extra[yy]  # type: ignore[index]
-        ok &= (X[t2] + dx <= extra_cap) & (X[a] - dx <= extra_cap)
-    cands.append((xx[ok], yy[ok], t2[ok]))
+    single = np.flatnonzero(u.count == 1)
+    groups = [(uh, None)]  # (units out of a hot bin, swap partners; None: moves)
+    if pairs:  # a pair only against a single atom (either side hot)
+        groups += [(uh[u.count[uh] == 2], single), (uh[u.count[uh] == 1], np.flatnonzero(u.count == 2))]
+    else:
+        groups.append((uh, single))
+    cands = []
+    for xs, ys in groups:
+        if ys is None:  # moves: unit x of a hot bin -> bin t
+            x, t = np.repeat(xs, K), np.tile(np.arange(K), xs.size)
+            ok = (u.bin[x] != t) & (cnt[u.bin[x]] > u.count[x]) & (T[t] + u.lens[x] <= cap)
+            if X is not None:
+                ok &= X[t] + u.extra[x] <= extra_cap  # type: ignore[index]
+            cands.append((x[ok], np.full(int(ok.sum()), -1), t[ok]))
+            continue
+        if xs.size * ys.size * K > MAX_CANDIDATES:  # a very large rank: this kind of change is skipped
+            continue
+        xx, yy = np.repeat(xs, ys.size), np.tile(ys, xs.size)  # swaps: unit x (hot bin) <-> unit y
+        a, t2 = u.bin[xx], u.bin[yy]
+        ok = (a != t2) & (~hot[t2] | (a < t2) | (u.count[xx] != u.count[yy]))  # each hot-hot swap once
+        dl = u.lens[xx] - u.lens[yy]
+        ok &= (T[t2] + dl <= cap) & (T[a] - dl <= cap)
+        if X is not None:
+            dx = u.extra[xx] - u.extra[yy]  # type: ignore[index]
+            ok &= (X[t2] + dx <= extra_cap) & (X[a] - dx <= extra_cap)
+        cands.append((xx[ok], yy[ok], t2[ok]))
     for ox, oy, tt in cands:
         if not ox.size:
             continue
