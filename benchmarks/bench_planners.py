@@ -15,7 +15,8 @@ forward cap of 2, 3 or 4× the family's cap (cycled by seed) and scored with the
 verl's log-prob split (the same ``rearrange_micro_batches`` at ``log_prob_max_token_len_per_gpu``).
 
 Run: ``python -m benchmarks.bench_planners [--quick]``. Prints the table and writes
-``benchmarks/results/planners-<date>-<host>.{json,png}``.
+``benchmarks/results/planners-<date>-<host>.{json,png}`` (``planners-local-…`` when only the
+local rows run: ``--planners microplan-local microplan-local-rr``).
 """
 
 from __future__ import annotations
@@ -52,9 +53,9 @@ FAMILIES: dict[str, tuple[int, int, int]] = {
 SPG = (16, 32, 64)  # samples per GPU per step, cycled by seed
 FORWARD_CAP_MULT = (2, 3, 4)  # forward cap = this × the family's (training) cap, cycled by seed
 TARGETS = {"over_cap": 0, "lockstep_med": 1.005, "lockstep_worst": 1.01, "step_sync": 1.002,
-           "forward_lockstep_med": 1.005, "forward_k_at_lb": 1.0}
+           "forward_lockstep_med": 1.005, "forward_k_at_lb": 1.0, "local_lock_split_worst": 1.01}
 
-Runner = Callable[[mp.Batch, int, int, object], tuple[list[list[np.ndarray]], float]]
+Runner = Callable[[mp.Batch, int, int, object], tuple]  # (plan[r][m], seconds[, extra row columns])
 
 
 # -- planners -----------------------------------------------------------------------------------
@@ -79,14 +80,18 @@ def verl_split_owners(seq_lens: np.ndarray, dp: int) -> np.ndarray:
 
 
 def _microplan_local(pin: str) -> Runner:
-    """Local placement: samples pinned to ranks by verl's driver split or by round robin (arrival order)."""
+    """Local placement: samples pinned to ranks by verl's driver split or by round robin (arrival
+    order); the row also gets ``lock_split``, lockstep over the bound the split allows
+    (``microplan.stats.split_lower_bound``, from the plan's own stats)."""
     def run(batch, dp, cap, cost):
         n = batch.num_samples
         own = verl_split_owners(batch.seq_lens, dp) if pin == "verl-split" else np.arange(n) % dp
         cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, placement="local")
         t = time.perf_counter()
         p = mp.plan(batch.with_rank_of(own), cfg)
-        return from_microplan(p), time.perf_counter() - t
+        dt = time.perf_counter() - t
+        st = p.stats.steps[0]
+        return from_microplan(p), dt, {"lock_split": st.lockstep_time / st.split_lower_bound}
     return run
 
 
@@ -159,12 +164,12 @@ def run_case(family: str, dp: int, seed: int, cost, planners: list[str], forward
         row = dict(family=family, dp=dp, seed=seed, spg=spg, planner=name, samples=batch.num_samples,
                    tokens=int(np.sum(batch.seq_lens)), cap=cap, passes="forward" if fwd else "train")
         try:
-            plan, dt = PLANNERS[name][0](batch, dp, cap, cost_)
+            plan, dt, *more = PLANNERS[name][0](batch, dp, cap, cost_)  # more: the row's extra columns
         except PeerCrash as e:
             rows.append({**row, "crash": str(e)})
             continue
         m = step_metrics(plan, np.asarray(batch.seq_lens), dp=dp, cap=cap, cost=cost_)
-        rows.append({**row, "crash": None, "ms": dt * 1e3, **m.to_dict()})
+        rows.append({**row, "crash": None, "ms": dt * 1e3, **m.to_dict(), **(more[0] if more else {})})
     return rows
 
 
@@ -192,6 +197,7 @@ def summarise(rows: list[dict], keys: tuple[str, ...] = ("family", "planner")) -
                     "lockstep_rank_ratio", "ms"):
             s[col] = _agg([r[col] for r in ok])
         s["k_excess"] = _agg([r["K"] - r["K_lb"] for r in ok])
+        s["lock_split"] = _agg([r["lock_split"] for r in ok if "lock_split" in r])
         s["k_at_lb"] = float(np.mean([r["K"] == r["K_lb"] for r in ok])) if ok else float("nan")
         s["equal"] = float(np.mean([r["equal_counts"] for r in ok])) if ok else float("nan")
         s["lost"] = max((r["lost"] for r in ok), default=0)
@@ -302,6 +308,13 @@ def main(argv: list[str] | None = None) -> dict:
     summary = summarise(rows)
     print("cells: median/worst over dp x seed cases; equal, K=Klb: share of cases")
     print(format_table(summary))
+    local = summarise([r for r in rows if "lock_split" in r], ("family", "dp", "planner"))
+    if local:
+        print("\nlocal placement: lockstep / the bound the split allows (stats.split_lower_bound), median/worst:")
+        print(format_table(local, ("family", "dp", "planner"),
+                           [("lock/split", 13, lambda s: _mw(s["lock_split"], ".4f")),
+                            ("lockstep/LB", 13, lambda s: _mw(s["lockstep_ratio"], ".4f")),
+                            ("plan ms", 13, lambda s: _mw(s["ms"], ".1f"))]))
     mp_rows = [r for r in rows if r["planner"].startswith("microplan")]
     print("\nmicroplan by family x dp:")
     print(format_table(summarise(mp_rows, ("family", "dp", "planner")), ("family", "dp", "planner")))
@@ -311,7 +324,9 @@ def main(argv: list[str] | None = None) -> dict:
                   spg=SPG, dp=list(dps), seeds=list(seeds), targets=TARGETS,
                   labels={k: v[1] for k, v in PLANNERS.items()}, summary=summary, rows=rows)
     if not args.no_write:
-        stem = save_json("planners", result)
+        # a run of the local rows alone (--planners microplan-local microplan-local-rr) is its own file
+        local_only = all(p.startswith("microplan-local") for p in args.planners)
+        stem = save_json("planners-local" if local_only else "planners", result)
         plot(summary, args.planners, stem.with_suffix(".png"))
         print(f"\nwrote {stem}.json and {stem}.png")
     return result

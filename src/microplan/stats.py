@@ -29,15 +29,16 @@ import numpy as np
 from .batch import Batch
 from .config import PlanConfig
 from .cost.cp import cp_micro_costs, cp_work_floor
-from .cost.models import CostModel, bin_costs, row_costs
+from .cost.models import CostModel, bin_costs, is_additive, row_costs
 from .footprint import Footprint, bin_footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
 from .stages.assign import grid_time
-from .stages.kchoice import best_lower_bound
+from .stages.kchoice import best_lower_bound, time_lower_bounds
 from .stages.pipeline import BACKWARD_RATIO, step_pipeline_time
 from .types import PlanStats, Step, StepStats
 
-__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound"]
+__all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound",
+           "split_lower_bound"]
 
 
 def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
@@ -122,6 +123,82 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
 
 
+def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint | None = None, *,
+                      step_bound: float | None = None) -> float:
+    """A lower bound on the step time of any plan that keeps every sample on its ``batch.rank_of``
+    (local placement: the split is given), under either sync mode:
+
+        max( step_lower_bound,  min over K >= K_split of  max_r LB_r(K) )
+
+    LB_r(K) is rank r's own bound (``kchoice.time_lower_bounds`` with one bin per K on its GPU(s):
+    its work / GPUs + K · per_micro, the packed-row term at its Jensen minimum over its K rows, its
+    costliest sample + per_micro); K_split is the fewest micro-batches the fullest rank needs under
+    the cap (its tokens as they occupy micro-batches, vision tokens under their cap, static:
+    ⌈n_r / micro_batch_size⌉), at least ``pipeline_stages``, rounded up to ``align`` — every rank
+    runs the same K. It is a bound because each slot waits for its heaviest rank, so Σ_m max_r ≥
+    max_r Σ_m, and a rank's Σ_m is at least LB_r(K). What it leaves out (hence "the split allows"):
+    which slot a coarse rank's heavy micro-batch lands in — a rank holding three samples of 16k
+    tokens among 16 cannot split them evenly over K = 4, and every other rank must match that
+    slot (bench_planners, bimodal dp 32: 1.0206 of this bound before the lift of slot 0's target).
+    ``step_bound``: the step's :func:`step_lower_bound`, when already computed.
+    """
+    cost = cfg.cost
+    assert cost is not None
+    if not idx.size:
+        return 0.0
+    fp = footprint_of(batch, cfg) if fp is None else fp
+    owner = batch.rank_of[idx] if batch.rank_of is not None else np.zeros(idx.size, dtype=np.int64)
+    items, k_need = [], max(1, cfg.pipeline_stages)
+    for r in np.unique(owner).tolist():
+        sub = idx[owner == r]
+        costs, lens, view, single = _split_items(batch, cfg, sub, fp)
+        items.append((costs, lens, view, single))
+        k_need = max(k_need, _rank_k(cfg, int(sub.size), int(lens.sum()), fp.vision(sub)))  # trie tokens if shared
+    K_lb = -(-k_need // cfg.align) * cfg.align
+    top = K_lb if is_additive(cost) else max(K_lb, max(c.size for c, *_ in items))
+    Ks = np.arange(K_lb, top + 1, cfg.align)
+    cp = cfg.static_cp_size
+    per = [time_lower_bounds(c, ln, Ks, bins_per_k=1, gpus=cp, max_width=_max_cp(cfg), cost=view, single=single)
+           for c, ln, view, single in items]
+    if step_bound is None:
+        unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes else int(fp.sample_tokens[idx].sum())
+        step_bound = step_lower_bound(batch, cfg, idx, k_lower_bound(cfg, int(idx.size), unique, fp.vision(idx)), fp)
+    return max(float(np.max(per, axis=0).min()), step_bound)
+
+
+def _rank_k(cfg: PlanConfig, n: int, tokens: int, vision: int) -> int:
+    """The fewest micro-batches one rank's n samples (``tokens`` as they occupy micro-batches,
+    ``vision`` tokens) need: :func:`k_lower_bound` for a single rank, without pipeline stages."""
+    if cfg.micro_batch_size is not None:
+        return max(1, -(-n // cfg.micro_batch_size))
+    cap = packing_cap(cfg)
+    assert cap is not None
+    k = max(1, -(-tokens // cap))
+    if vision and cfg.max_vision_tokens_per_micro is not None:
+        k = max(k, -(-vision // cfg.max_vision_tokens_per_micro))
+    return k
+
+
+def _split_items(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint):
+    """(costs, tokens, cost view, single) of the work one rank's samples ``idx`` must run, as in
+    :func:`step_lower_bound`: prefix-trie segments with shared prefixes, padded rows at their
+    cheapest, the samples as they occupy micro-batches otherwise."""
+    cost = cfg.cost
+    assert cost is not None
+    if cfg.share_prefixes:
+        tree = step_tree(batch, idx)
+        seg = (tree.end - tree.start).astype(np.float64)
+        seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
+        return seg_cost, seg.astype(np.int64), cost, float(cost.sample_costs(batch.seq_lens[idx]).max())
+    lens = fp.sample_tokens[idx]
+    if fp.padded:
+        return _padded_sample_costs(cost, fp, idx), lens, _AdditiveView(float(cost.per_micro)), None
+    costs = fp.sample_costs(cost, idx)
+    if cfg.context_parallel is not None and getattr(cost, "cp", None) is not None:
+        costs = cp_work_floor(cost, costs, lens, _least_width(cfg, lens))
+    return costs, lens, cost, None
+
+
 def _least_width(cfg: PlanConfig, lens: np.ndarray) -> np.ndarray | int:
     """The narrowest CP group each sample may run in: the fixed degree, or (dynamic) the power of two
     its tokens need under the cap."""
@@ -177,6 +254,7 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         held = sum(m.num_tokens for row in step.micros for m in row if not m.is_placeholder and m.cp_rank == 0)
         k_lb = k_lower_bound(cfg, n, unique, fp.vision(idx))
         lb = step_lower_bound(batch, cfg, idx, k_lb, fp)
+        split = split_lower_bound(batch, cfg, idx, fp, step_bound=lb) if cfg.placement == "local" else 0.0
         step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         lock_s, sync_s = grid_time(grid, "micro"), grid_time(grid, "step")
@@ -188,7 +266,8 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
             lockstep_time=lock_s, step_sync_time=sync_s,
             time_lower_bound=lb, rank_costs=tuple(float(x) for x in grid.sum(axis=1)), choice=step.choice,
             tokens_with_sharing=held, tokens_lower_bound=unique,
-            pipeline_time=pipe, pipeline_bubble=_bubble(lock_s if cfg.sync == "micro" else sync_s, pipe, cfg)))
+            pipeline_time=pipe, pipeline_bubble=_bubble(lock_s if cfg.sync == "micro" else sync_s, pipe, cfg),
+            split_lower_bound=split))
     lock = sum(p.lockstep_time for p in per_step)
     sync = sum(p.step_sync_time for p in per_step)
     pipe_total = sum(p.pipeline_time for p in per_step)
@@ -204,7 +283,8 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         tokens_without_sharing=sum(p.num_tokens for p in per_step),
         tokens_with_sharing=sum(p.tokens_with_sharing for p in per_step),
         tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step),
-        pipeline_time=pipe_total, pipeline_bubble=_bubble(lock if cfg.sync == "micro" else sync, pipe_total, cfg))
+        pipeline_time=pipe_total, pipeline_bubble=_bubble(lock if cfg.sync == "micro" else sync, pipe_total, cfg),
+        split_lower_bound=sum(p.split_lower_bound for p in per_step))
 
 
 def _bubble(predicted: float, pipeline: float, cfg: PlanConfig) -> float:

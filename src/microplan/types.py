@@ -335,6 +335,7 @@ class StepStats:
     tokens_lower_bound: int = 0
     pipeline_time: float = 0.0
     pipeline_bubble: float = 0.0
+    split_lower_bound: float = 0.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -368,6 +369,10 @@ class PlanStats:
             ``predicted_time`` when ``pipeline_stages`` = 1.
         pipeline_bubble: the idle share of that time on a stage,
             1 − predicted_time / (p · pipeline_time) (0 without pipeline parallelism).
+        split_lower_bound: with ``placement="local"``, Σ_steps of the best any plan keeping every
+            sample on its ``rank_of`` can do (``stats.split_lower_bound``: the busiest rank's own
+            bound at the fewest micro-batches the fullest rank needs, and ``time_lower_bound``);
+            0 under global placement.
     """
 
     num_steps: int
@@ -389,6 +394,7 @@ class PlanStats:
     tokens_lower_bound: int = 0
     pipeline_time: float = 0.0
     pipeline_bubble: float = 0.0
+    split_lower_bound: float = 0.0
 
     @property
     def time_ratio(self) -> float:

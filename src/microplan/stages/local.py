@@ -14,24 +14,38 @@ only regroup each rank's own samples. Per step:
    water-filled from the heaviest rank's total, never below the m-th heaviest sample of any rank
    (``fit.fill_targets``) — so the busiest rank spreads its work evenly while the others fill
    each slot no higher than that rank does.
-3. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
+3. Lift (lockstep, ≥ 2 busy ranks): a rank with a few coarse samples (three of 16k tokens among
+   16, K = 4) cannot meet slot 0's target, and every slot waits for its heaviest rank, so slot
+   0's target is raised to the heaviest bin some rank cannot avoid — first estimated (LPT of each
+   rank's 2K heaviest atoms), then measured (the heaviest refined bin after LPT toward the
+   targets) — and every rank is refined toward the lifted targets (``refine.refine_bins`` with
+   per-bin offsets, heaviest bin toward slot 0): the other ranks load slot 0 up to what the
+   coarse rank forces there anyway and empty their later slots.
+4. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
    fixed micro-batch costs this minimises the lockstep time Σ_m max_r cost(r, m): rank r's k
    heaviest micro-batches occupy k distinct slots, so the k-th largest slot maximum is at least
    max_r (k-th heaviest of rank r), which the sorted arrangement attains.
-4. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
+5. Polish (lockstep, at the chosen K): the ranks holding a slot's maximum move or swap atoms (and
+   pairs of atoms) between their own bins against the other ranks' slot maxima
+   (``local_refine.polish_local``); the lockstep time never rises.
+6. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
    are dropped until every rank fills K (``drop``), or a PlanError names the ranks (``error``).
 
 Guarantees: those of every plan (equal K, aligned, cap, coverage, exact loss scales computed
 over the whole step exactly as in global placement) plus: every sample runs on ``rank_of``.
-Measured trade-off (benchmarks/bench_planners.py, "local" rows, full run): pinned by verl's
-driver split, lockstep / LB is 1.003–1.009 median (global placement: 1.001–1.002); pinned by
-arrival order (round robin) it is 1.27–1.40 median, the ranks' unequal totals, which no local
-plan can recover (lockstep over the split's own bound stays ≤ 1.012). Planning costs ~10× the
-global planner at dp=128 (one packing per rank).
+The bound the split allows is ``stats.split_lower_bound`` (the busiest rank's own bound at the
+fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/bench_planners.py,
+"local" rows, full run 2026-11-26, lockstep / split bound, median/worst): pinned by verl's driver
+split, dp 8/32 1.0002–1.0052 / ≤ 1.0082 (was ≤ 1.0206 before steps 3 and 5), dp 128 ≤ 1.0159
+(bimodal; was 1.0191); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the
+global bound, are the split's and no local plan can recover them). Steps 3 and 5 cost 1.11–1.19×
+the local plan time at dp 128 (CPU time side by side over the 24 cases); planning is still ~10×
+the global planner at dp 128 (one packing per rank).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -46,10 +60,14 @@ from .assign import grid_time
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
 from .layout import StepLayout
-from .pack import bins_lower_bound, round_robin_pack
+from .local_refine import RankBins, polish_local
+from .pack import bins_lower_bound, lpt_pack_wide, round_robin_pack
 from .padded import pack_padded_at
+from .refine import refine_bins
 
 __all__ = ["fit_local", "LocalFit"]
+
+LIFT_GAP = 1e-3  # slot 0's target is lifted when some rank's heaviest bin exceeds it by this share
 
 BinCost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (positions, bin_of, num_bins) -> cost per bin
 
@@ -79,17 +97,50 @@ class _Ranks:
         ex = None if layout is None else layout.extra
         self.extra = [None if ex is None else (ex[0][p], ex[1]) for p in self.pos]
         self.padded = None if layout is None or layout.padded is None else [layout.padded.take(p) for p in self.pos]
+        self.flat_pos = np.concatenate([self.pos[r] for r in self.busy.tolist()]) if self.busy.size else order
+        self.additive_bins = False  # bins cost by the default bin cost (set by layout_local)
+        self.leads: dict[tuple[int, bool], tuple[np.ndarray, float]] = {}  # _leads per (K, forced)
+
+
+def _balance_costs(ranks: _Ranks, r: int, K: int, cfg: PlanConfig) -> np.ndarray:
+    """Rank r's atoms in pack_at's first-order units (cost + the packed term's slope × tokens)."""
+    if is_additive(cfg.cost):  # type: ignore[arg-type]
+        return ranks.costs[r]
+    lens, n = ranks.lens[r], int(ranks.n[r])
+    return ranks.costs[r] + adjusted_slope(cfg.cost, lens, min(n, K)) * lens  # type: ignore[arg-type]
+
+
+def _leads(ranks: _Ranks, K: int, cfg: PlanConfig, forced: bool = False) -> tuple[np.ndarray, float]:
+    """(the m-th heaviest atom of any rank per slot, the heaviest rank's total), first-order units;
+    ``forced``: slot 0 at least the heaviest bin LPT leaves from any rank's 2K heaviest atoms."""
+    hit = ranks.leads.get((K, forced))
+    if hit is not None:
+        return hit[0].copy(), hit[1]
+    lead, total = np.zeros(K), 0.0
+    for r in ranks.busy.tolist():
+        adj = _balance_costs(ranks, r, K, cfg)
+        desc = -np.sort(-adj)[:2 * K]
+        top = min(K, desc.size)
+        lead[:top] = np.maximum(lead[:top], desc[:top])
+        if forced and desc.size > K:
+            lead[0] = max(lead[0], _lpt_top(desc.tolist(), K))
+        total = max(total, float(adj.sum()))
+    ranks.leads[K, forced] = (lead.copy(), total)
+    return lead, total
+
+
+def _lpt_top(desc: list[float], K: int) -> float:
+    """The heaviest of K bins after LPT of ``desc`` (descending): the micro-batch a rank's coarsest
+    atoms force, whatever its smaller atoms do."""
+    heap = [0.0] * K
+    for x in desc:
+        heapq.heapreplace(heap, heap[0] + x)
+    return max(heap)
 
 
 def _targets(ranks: _Ranks, K: int, cfg: PlanConfig) -> np.ndarray:
     """Slot targets shared by every rank (module note, step 2), in pack_at's first-order units."""
-    lead, total = np.zeros(K), 0.0
-    for r in ranks.busy.tolist():
-        lens, c, n = ranks.lens[r], ranks.costs[r], int(ranks.n[r])
-        adj = c + adjusted_slope(cfg.cost, lens, min(n, K)) * lens  # type: ignore[arg-type]
-        desc = -np.sort(-adj)[:K]
-        lead[: desc.size] = np.maximum(lead[: desc.size], desc)
-        total = max(total, float(adj.sum()))
+    lead, total = _leads(ranks, K, cfg)
     return fill_targets(lead, total, 1, K)
 
 
@@ -100,6 +151,8 @@ def _pack(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
         for r in ranks.busy.tolist():
             out[r] = round_robin_pack(ranks.costs[r], min(int(ranks.n[r]), K))
         return out
+    if K > 1 and ranks.padded is None and cfg.sync == "micro" and ranks.busy.size > 1:
+        return _pack_lifted(ranks, K, cfg)
     cap = effective_cap(cfg)
     tau = _targets(ranks, K, cfg) if K > 1 and ranks.padded is None else None
     for r in ranks.busy.tolist():
@@ -113,6 +166,55 @@ def _pack(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
         if got is None:
             return None
         out[r] = got
+    return out
+
+
+def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
+    """Steps 2-3 of the module note: LPT toward the shared targets (slot 0's at least the estimate
+    of the heaviest bin a rank cannot avoid), the rank with the heaviest bin refined until that bin
+    is measured, slot 0's target lifted to it, then every rank refined toward the targets."""
+    cap = effective_cap(cfg)
+    assert cap is not None
+    lead, total = _leads(ranks, K, cfg, forced=True)
+    tau = fill_targets(lead, total, 1, K)
+    out = [np.zeros(0, dtype=np.int64) for _ in ranks.pos]
+    raw: dict[int, np.ndarray] = {}  # rank -> its atoms' first-order costs, for bins still to refine
+    for r in ranks.busy.tolist():
+        bal = _balance_costs(ranks, r, K, cfg)
+        got = None
+        if ranks.n[r] >= K:
+            got = lpt_pack_wide(ranks.lens[r], bal, np.ones(K, dtype=np.int64), cap, load=-tau.copy(),
+                                extra=ranks.extra[r])
+            if got is not None and np.bincount(got, minlength=K).min() == 0:
+                got = None
+        if got is None:  # the full packer (first-fit decreasing, exhaustive search), refined
+            got = pack_at(ranks.lens[r], ranks.costs[r], min(int(ranks.n[r]), K), 1, K, cap, cfg.cost,  # type: ignore[arg-type]
+                          targets=tau, extra=ranks.extra[r])
+            if got is None:
+                return None
+        else:
+            raw[r] = bal
+        out[r] = got
+    tops = {r: float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
+            for r in ranks.busy.tolist()}
+
+    def refine(r: int, tau: np.ndarray) -> None:
+        bal = raw.pop(r)
+        load = np.bincount(out[r], weights=bal, minlength=K)
+        offset = np.empty(K)
+        offset[np.argsort(-load, kind="stable")] = tau  # heaviest bin toward slot 0's target, and so on
+        out[r] = refine_bins(out[r], ranks.lens[r], bal, K, cap, offset=offset, extra=ranks.extra[r])
+        tops[r] = float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
+    while True:  # the heaviest bin of any rank, that rank refined toward the shared targets first
+        r = max(tops, key=tops.__getitem__)
+        if r not in raw:
+            break
+        refine(r, tau)
+    if tops[r] > tau[0] * (1 + LIFT_GAP):
+        lead[0] = tops[r]
+        tau = fill_targets(lead, total, 1, K)
+    for r in list(raw):
+        refine(r, tau)
     return out
 
 
@@ -130,7 +232,11 @@ def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, 
     """``cost[r, b]`` of rank r's bin b on its GPU(s) (empty bins: placeholders, per_micro only)."""
     cost = cfg.cost
     assert cost is not None
-    out = np.full((len(bins), K), float(cost.per_micro))
+    D = len(bins)
+    if ranks.additive_bins and cfg.static_cp_size == 1:  # one bin_cost call over every rank's bins
+        flat = np.concatenate([bins[r] + r * K for r in ranks.busy.tolist()]) if ranks.busy.size else bins[0]
+        return bin_cost(ranks.flat_pos, flat, D * K).reshape(D, K)
+    out = np.full((D, K), float(cost.per_micro))
     for r in ranks.busy.tolist():
         mc = bin_cost(ranks.pos[r], bins[r], K)
         out[r] = mc if cfg.static_cp_size == 1 else \
@@ -140,8 +246,12 @@ def _rank_costs(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, 
 
 def _time(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> float:
     """Predicted step time with every rank's micro-batches heaviest first."""
-    grid = -np.sort(-_rank_costs(ranks, bins, K, cfg, bin_cost), axis=1)
-    return grid_time(grid, cfg.sync)
+    return _grid_time(_rank_costs(ranks, bins, K, cfg, bin_cost), cfg.sync)
+
+
+def _grid_time(grid: np.ndarray, sync: str) -> float:
+    """Step time of a ranks × bins cost grid, each rank's bins heaviest first."""
+    return grid_time(-np.sort(-grid, axis=1), sync)
 
 
 def _min_count(ranks: _Ranks, cfg: PlanConfig) -> int:
@@ -151,6 +261,21 @@ def _min_count(ranks: _Ranks, cfg: PlanConfig) -> int:
     cap = effective_cap(cfg)
     return max((bins_lower_bound(ranks.lens[r], cap, ranks.extra[r]) for r in ranks.busy.tolist()),  # type: ignore[arg-type]
                default=1)
+
+
+def _polish(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_cost: BinCost) -> list[np.ndarray]:
+    """``local_refine.polish_local`` where it applies (default bin cost, lockstep sync, no CP/padding)."""
+    if K < 2 or cfg.sync != "micro" or cfg.micro_batch_size is not None or ranks.padded is not None \
+            or cfg.static_cp_size != 1 or ranks.busy.size < 2:  # one busy rank: its total is the time
+        return bins
+    cap = effective_cap(cfg)
+    assert cap is not None and cfg.cost is not None
+    ex = ranks.extra
+    rb = {r: RankBins(bins[r], ranks.costs[r], ranks.lens[r], None if ex[r] is None else ex[r][0])  # type: ignore[index]
+          for r in ranks.busy.tolist()}
+    extra_cap = next((e[1] for e in ex if e is not None), None)
+    new = polish_local(rb, _rank_costs(ranks, bins, K, cfg, bin_cost), cfg.cost, cap, extra_cap=extra_cap)
+    return [new.get(r, b) for r, b in enumerate(bins)]
 
 
 def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: PlanConfig, min_micro_count: int = 1,
@@ -163,11 +288,13 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
     D, a = cfg.dp_size, cfg.align
     cost = cfg.cost
     assert cost is not None
+    default_cost = bin_cost is None
     if bin_cost is None:
         def bin_cost(p: np.ndarray, b: np.ndarray, nb: int) -> np.ndarray:
             return bin_costs(cost, np.bincount(b, weights=costs[p], minlength=nb),  # type: ignore[arg-type]
                              np.bincount(b, weights=lens[p], minlength=nb), np.bincount(b, minlength=nb))
     ranks = _Ranks(owner, lens, costs, D, layout)
+    ranks.additive_bins = default_cost
     K0 = round_up(max(_min_count(ranks, cfg), min_micro_count, 1), a)
     k_hi = int(ranks.n.min()) // a * a  # the largest aligned K with no placeholder
     if cfg.micro_batch_size is not None:
@@ -187,6 +314,8 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
         while bins is None:
             K += a
             bins = _pack(ranks, K, cfg)
+    if default_cost:
+        bins = _polish(ranks, bins, K, cfg, bin_cost)
     slot_of = [np.argsort(np.argsort(-row, kind="stable"), kind="stable")
                for row in _rank_costs(ranks, bins, K, cfg, bin_cost)]  # local bin -> slot, heaviest first
     bin_of = np.empty(lens.size, dtype=np.int64)
