@@ -14,8 +14,7 @@ the longest, N_B tokens — escape it).
 - Additive costs (g ≡ 0): LB is non-decreasing in K, so the fewest micro-batches that fit the
   cap are best: K starts at K_lb = ⌈bins_lb / dp⌉ (aligned) and grows when packing fails, or —
   ``probe="slack"`` — by one step when the packed plan sits more than ``SLACK`` above its bound
-  and the next K packs faster by at least ``PROBE_GAIN`` (0.1 %: a cap-tight K leaves no room to
-  balance; a near-tie is left to the fewer micro-batches); ``"walk"`` keeps going.
+  and the next K packs faster (a cap-tight K leaves no room to balance; ``"walk"`` keeps going).
   The slack test tries the O(n) bound without the lockstep slot term first (``quick_bounds``, never
   above LB): a plan within ``SLACK`` of it needs no slot term's O(n log n) sort (the usual case:
   16k GRPO samples at dp 128 sit 0.06 % above it; ~1 ms of a ~15 ms plan).
@@ -172,7 +171,6 @@ Timer = Callable[[int, Any], float]      # (K, packing) -> predicted step time
 Probe = Literal["none", "slack", "walk"]
 
 SLACK = 2e-3  # probe="slack": try K + align when the packed plan is this far above its lower bound
-PROBE_GAIN = 1e-3  # ... and take it only when it is predicted at least this much faster
 
 
 def choose_k(K0: int, k_hi: int, align: int, *, additive: bool, lower_bounds: Callable[[np.ndarray], np.ndarray],
@@ -305,9 +303,7 @@ def _probe_above(K: int, got: Any, choice: KChoice, k_hi: int, align: int,
         cand = pack(k)
         t = float("inf") if cand is None else time(k, cand)
         tried.append((k, t))
-        # more micro-batches must win by more than the model resolves: a near-tie hinges on per_micro,
-        # the term the records identify least (bench_meter's grid: a 0.004 % "gain" cost 2 % under the truth)
-        if not t < best_t * (1 - PROBE_GAIN):
+        if not t < best_t * (1 - 1e-9):
             break
         best_K, best, best_t = k, cand, t
         if not walk:
