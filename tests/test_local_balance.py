@@ -10,6 +10,7 @@ of the split's bound before this work) the plan is within 1% of that bound.
 from __future__ import annotations
 
 import sys
+from dataclasses import replace as dc_replace
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +23,7 @@ import microplan as mp  # noqa: E402
 from microplan.cost.models import bin_costs  # noqa: E402
 from microplan.stages.local_refine import RankBins, polish_local  # noqa: E402
 from microplan.stats import split_lower_bound  # noqa: E402
+from microplan.traces import generate  # noqa: E402
 from reference import replace, sample_costs, step_times  # noqa: E402
 from test_local import _plan, local_inputs  # noqa: E402
 
@@ -111,3 +113,16 @@ def test_worst_bench_instance_within_one_percent_of_the_split_bound():
     st_ = plan.stats.steps[0]
     assert st_.lockstep_time <= 1.01 * st_.split_lower_bound, st_.lockstep_time / st_.split_lower_bound
     assert mp.plan(batch, cfg).fingerprint() == plan.fingerprint()
+
+
+def test_summary_of_a_local_plan_states_the_split_bound():
+    b = generate("grpo-longtail", num_prompts=16, samples_per_prompt=8, seed=0)
+    pinned = mp.Batch(b.seq_lens, loss_tokens=b.loss_tokens, prompt_ids=b.prompt_ids,
+                      rank_of=np.arange(len(b.seq_lens)) % 4)
+    cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=32768, placement="local", cost=mp.FlopsCost(linear=1.0,
+                        quadratic=1e-4, per_micro=100.0))
+    plan = mp.plan(pinned, cfg)
+    assert plan.stats.split_lower_bound >= plan.stats.time_lower_bound > 0
+    line = next(x for x in plan.summary().splitlines() if "the split's bound" in x)
+    assert f"{plan.stats.lockstep_time / plan.stats.split_lower_bound:.3f}× of it" in line
+    assert "the split's bound" not in mp.plan(b, dc_replace(cfg, placement="global")).summary()

@@ -221,6 +221,9 @@ def _time_lines(plan: Plan, unit: CostUnit) -> list[str]:
     lines = [_row("predicted time", f"{_amount(used[0], unit)} ({used[1]}, sync={cfg.sync}) = {ratio(used[0])}; "
                   f"LB = {_amount(lb, unit)}"),
              f"  {'':<{_LABEL}}  under {other[1]} it would be {_amount(other[0], unit)} = {ratio(other[0])}"]
+    if cfg.placement == "local" and st.split_lower_bound > 0:
+        lines.append(f"  {'':<{_LABEL}}  the split's bound (every sample on its rank) is {_amount(st.split_lower_bound, unit)}"
+                     f": {used[0] / st.split_lower_bound:.3f}× of it")
     if cfg.pipeline_stages > 1:
         sched = (f"interleaved 1F1B, {cfg.virtual_stages} chunks/stage, groups of {cfg.align}"
                  if cfg.virtual_stages > 1 else "1F1B")
