@@ -53,7 +53,7 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .padded_levels import level_plans
+from .padded_levels import level_plans, split_to_count
 from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
@@ -223,19 +223,7 @@ def runs_for_bins(srt: _Sorted, m: int, caps: tuple) -> list[int] | None:
             best, hi = b, mid
         else:
             lo = mid
-    return _split_to(srt, best, m)
-
-
-def _split_to(srt: _Sorted, b: list[int], m: int) -> list[int]:
-    """Split the costliest multi-sample runs in two until there are m (splitting never breaks a cap)."""
-    b = list(b)
-    while len(b) - 1 < m:
-        starts, ends = np.array(b[:-1]), np.array(b[1:])
-        k = ends - starts
-        c = np.where(k > 1, srt.run_cost(starts, np.maximum(k, 1)), -1.0)
-        j = int(np.argmax(c))
-        b.insert(j + 1, int(starts[j] + k[j] // 2))
-    return b
+    return split_to_count(srt, best, m)
 
 
 class _Runs(NamedTuple):

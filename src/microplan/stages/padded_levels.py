@@ -38,7 +38,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["LevelPlans", "level_plans"]
+__all__ = ["LevelPlans", "level_plans", "split_to_count"]
 
 EXACT_LEVELS = 200   # all distinct run costs are the level set when there are at most this many
 GRID_LEVELS = 32     # else this many quantiles of them (64, or a refined grid: no better, 1.4-3x slower)
@@ -132,7 +132,7 @@ def _runs_of(srt, T: np.ndarray, layers: list[_Layer], K: int, dp: int, bound: n
         lay = layers[s - 1]
         t, e = int(lay.level[i]), int(lay.end[i])
         cut = _greedy_from(srt, float(T[t]), bound, caps, i, e)
-        cut = _split_to_count(srt, cut, dp)
+        cut = split_to_count(srt, cut, dp)
         b.extend(cut[1:])
         i = e
     return b
@@ -149,8 +149,9 @@ def _greedy_from(srt, tau: float, bound: np.ndarray, caps: tuple, i: int, e: int
     return b
 
 
-def _split_to_count(srt, b: list[int], m: int) -> list[int]:
-    """Split the costliest multi-sample runs of the boundaries b until there are m runs."""
+def split_to_count(srt, b: list[int], m: int) -> list[int]:
+    """Split the costliest multi-sample runs of the boundaries b in two until there are m runs
+    (splitting never breaks a cap)."""
     b = list(b)
     while len(b) - 1 < m:
         starts, ends = np.array(b[:-1]), np.array(b[1:])
