@@ -104,27 +104,34 @@ def informed_fit(records: list[tuple[float, float, float]], per_micro: float) ->
 
 
 def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
-             spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False) -> dict:
+             spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False,
+             hedge: bool = True) -> dict:
     """One run of ``warmup`` + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
     ``TRUTHS[truth_name]``) with timing noise ``noise``; ``informed``: also plan the scored steps
-    with :func:`informed_fit` of the same records."""
+    with :func:`informed_fit` of the same records. The meter hedges (``CostMeter(hedge=...)``); each
+    scored step is also planned on its point estimate alone (``attention_rel_sd=0``: "point"), from
+    the same records."""
     max_len, cap, group = FAMILIES[family]
     slow, over, packed = TRUTHS[truth_name] if spec is None else spec
     machine = truth(slow, over, cap, packed=bool(packed))
     if packed == "causal":  # the dense kernel's unmasked path for a lone sample: attention·L²
         machine = replace(machine, quadratic=machine.packed_quadratic / 2)
     prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
-    meter = mp.CostMeter(prior=prior)
+    meter = mp.CostMeter(prior=prior, hedge=hedge)
     rng = np.random.default_rng(seed)
     spg = SPG[seed % len(SPG)]
     steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=warmup + SCORED, seed=seed)
     out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
-                     smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[], informed=[])
+                     smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[], informed=[], point=[])
     records: list[tuple[float, float, float]] = []
     for s, batch in enumerate(steps):
-        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=meter.cost())
+        cost = meter.cost()
+        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost)
         plan = mp.plan(batch, cfg)
         if s >= warmup:
+            sd = getattr(cost, "attention_rel_sd", 0.0)
+            out["point"].append(score(mp.plan(batch, replace(cfg, cost=replace(cost, attention_rel_sd=0.0))), machine)
+                                if sd else score(plan, machine))
             if informed:
                 ref = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap,
                                                    cost=informed_fit(records, machine.per_micro)))
@@ -211,7 +218,8 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
 GRID_ATTENTION, GRID_OVERHEAD, GRID_NOISE = (1.2, 2.0, 3.0), (0.0, 0.05, 0.10), (0.01, 0.05)
 
 
-def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tuple = GRID_NOISE) -> list[dict]:
+def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tuple = GRID_NOISE,
+             hedge: bool = True) -> list[dict]:
     """Issue 20 item 2: metered − oracle lockstep/LB per cell of a grid of varlen truths (attention
     1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise), and
     the same gap for the informed estimator (the truth's form and per-micro overhead given)."""
@@ -222,13 +230,14 @@ def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tu
                 for o in GRID_OVERHEAD:
                     for nz in noises:
                         rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz,
-                                         warmup=warmup, informed=True) for seed in seeds]
+                                         warmup=warmup, informed=True, hedge=hedge) for seed in seeds]
                         gap = np.array([m - q for r in rows for m, q in zip(r["metered"], r["oracle"])])
                         ref = np.array([m - q for r in rows for m, q in zip(r["informed"], r["oracle"])])
+                        pt = np.array([m - q for r in rows for m, q in zip(r["point"], r["oracle"])])
                         held = sorted({t for r in rows for t in r["prior_terms"]})
                         cells.append(dict(family=fam, dp=dp, attention=a, overhead=o, noise=nz,
                                           gap_median=float(np.median(gap)), gap_worst=float(gap.max()),
-                                          informed_median=float(np.median(ref)),
+                                          informed_median=float(np.median(ref)), point_median=float(np.median(pt)),
                                           metered=float(np.median([m for r in rows for m in r["metered"]])),
                                           prior_terms=held))
     return cells
@@ -236,10 +245,11 @@ def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tu
 
 def format_grid(cells: list[dict]) -> str:
     lines = [f"{'family':<19}{'dp':>4}{'attn':>6}{'over':>6}{'noise':>7}{'met-oracle med/worst':>24}{'informed':>10}"
-             f"{'metered':>9}  from the prior", "-" * 106]
+             f"{'point':>9}{'metered':>9}  from the prior", "-" * 115]
     for c in cells:
         lines.append(f"{c['family']:<19}{c['dp']:>4}{c['attention']:>6.1f}{c['overhead']:>6.2f}{c['noise']:>7.2f}"
-                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['informed_median']:>+10.4f}{c['metered']:>9.4f}  "
+                     f"{c['gap_median']:>+12.4f}/{c['gap_worst']:+.4f}{c['informed_median']:>+10.4f}"
+                     f"{c['point_median']:>+9.4f}{c['metered']:>9.4f}  "
                      f"{', '.join(c['prior_terms']) or '-'}")
     for nz in sorted({c["noise"] for c in cells}):
         sub = [c for c in cells if c["noise"] == nz]
@@ -247,7 +257,9 @@ def format_grid(cells: list[dict]) -> str:
                      f"(median); worst cell median {max(c['gap_median'] for c in sub):+.4f}, worst step "
                      f"{max(c['gap_worst'] for c in sub):+.4f}; informed estimator: "
                      f"{sum(c['informed_median'] <= 0.002 for c in sub)}/{len(sub)} cells, worst cell median "
-                     f"{max(c['informed_median'] for c in sub):+.4f}")
+                     f"{max(c['informed_median'] for c in sub):+.4f}; point estimate (no hedge, same records): "
+                     f"{sum(c['point_median'] <= 0.002 for c in sub)}/{len(sub)} cells, worst cell median "
+                     f"{max(c['point_median'] for c in sub):+.4f}")
     return "\n".join(lines)
 
 
@@ -259,18 +271,23 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps before scoring (default %(default)s)")
     ap.add_argument("--noise", type=float, nargs="*", default=list(GRID_NOISE), help="--grid: timing noises")
+    ap.add_argument("--seeds", type=int, default=6, help="seeds per cell (default %(default)s; --quick: 2)")
+    ap.add_argument("--no-hedge", action="store_true", help="--grid: CostMeter(hedge=False) in the loop")
     args = ap.parse_args(argv)
-    seeds = range(2) if args.quick else range(6)
+    seeds = range(2) if args.quick else range(args.seeds)
     if args.grid:
-        cells = run_grid(seeds, args.families, args.warmup, tuple(args.noise))
+        cells = run_grid(seeds, args.families, args.warmup, tuple(args.noise), hedge=not args.no_hedge)
         print(f"CostMeter vs oracle on a grid of varlen truths ({len(seeds)} seeds x {SCORED} scored steps after "
               f"{args.warmup} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step; informed: "
-              "the same gap for least squares told the truth's form and per-micro overhead)")
+              "the same gap for least squares told the truth's form and per-micro overhead; point: the meter's "
+              "point estimate without the hedge, same records)")
         print(format_grid(cells))
         result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                      warmup=args.warmup, scored=SCORED, cells=cells)
+                      warmup=args.warmup, scored=SCORED, seeds=len(seeds), hedge=not args.no_hedge, cells=cells)
         if not args.no_write:
             name = "meter-grid" if args.warmup == WARMUP else f"meter-grid-warmup{args.warmup}"
+            name += "" if len(seeds) == 6 else f"-seeds{len(seeds)}"
+            name += "-nohedge" if args.no_hedge else ""
             print(f"wrote {save_json(name, result)}.json")
         return result
     rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]

@@ -246,6 +246,11 @@ def test_bench_meter_informed_estimator_is_exact_without_noise():
     noisy = bmeter.run_case("long-context", 8, 1, "attn1.2/over0.1", spec=(1.2, 0.1, False), noise=0.05,
                             informed=True, warmup=1)
     assert len(noisy["informed"]) == bmeter.SCORED and min(noisy["informed"]) >= 1.0
+    assert len(noisy["point"]) == bmeter.SCORED and min(noisy["point"]) >= 1.0
+    # without the hedge the meter's plan IS its point estimate's
+    plain = bmeter.run_case("long-context", 8, 1, "attn1.2/over0.1", spec=(1.2, 0.1, False), noise=0.05,
+                            warmup=1, hedge=False)
+    assert plain["point"] == plain["metered"]
 
 
 def test_plan_hashes_cover_valid_plans_and_see_a_change():

@@ -264,7 +264,7 @@ def _attention_fit(noise: float, seed: int, records: int = 200) -> tuple[float, 
         meter.record(lens, truth.micro_cost(lens) * (1.0 + noise * rng.standard_normal()))
     rep = meter.report()
     got = rep.cost.quadratic / rep.cost.linear / (truth.quadratic / truth.linear) - 1.0
-    assert rep.attention_rel_std is not None and "attention term known to" in str(rep)
+    assert rep.attention_rel_std is not None and "known to ±" in str(rep)
     return abs(got), rep.attention_rel_std
 
 
@@ -279,3 +279,38 @@ def test_attention_uncertainty_is_reported_and_calibrated():
     assert covered >= 22, [(round(e, 3), round(sd, 3)) for e, sd in quiet + loud]
     more = [_attention_fit(0.05, s, records=800) for s in range(6)]
     assert np.mean([sd for _, sd in more]) < 0.7 * np.mean([sd for _, sd in loud[:6]])
+
+
+def test_the_meter_hands_its_attention_doubt_to_the_planner():
+    """Issue 20: the model cost() hands out carries the attention sd (from ±2 %) so the planner hedges
+    (stages/hedge.py); hedge=False, or a well-identified attention term, plans on the point estimate."""
+    from microplan.cost.meter import HEDGE_MAX_SD, HEDGE_MIN_SD
+    rng = np.random.default_rng(1)
+    truth = mp.FlopsCost(linear=1.0, quadratic=2e-5, per_micro=500.0)
+    prior = mp.FlopsCost(linear=1.0, quadratic=4e-5, per_micro=1000.0)
+    meters = {h: mp.CostMeter(prior=prior, hedge=h) for h in (True, False)}
+    for _ in range(60):
+        lens = rng.integers(100, 8000, size=int(rng.integers(1, 6)))
+        t = truth.micro_cost(lens) * (1.0 + 0.05 * rng.standard_normal())
+        for m in meters.values():
+            m.record(lens, t)
+    sd = meters[True].report().attention_rel_std
+    assert sd is not None and HEDGE_MIN_SD <= sd < HEDGE_MAX_SD
+    assert meters[True].cost().attention_rel_sd == pytest.approx(sd)
+    assert "±" in meters[True].cost().describe()
+    assert meters[False].cost().attention_rel_sd == 0.0
+    assert meters[False].cost().quadratic == meters[True].cost().quadratic  # the point estimate is the same
+    sharp = mp.CostMeter(prior=prior)
+    for _ in range(400):
+        lens = rng.integers(100, 8000, size=int(rng.integers(1, 6)))
+        sharp.record(lens, truth.micro_cost(lens) * (1.0 + 0.002 * rng.standard_normal()))
+    assert sharp.report().attention_rel_std < HEDGE_MIN_SD
+    assert sharp.cost().attention_rel_sd == 0.0
+    vague = mp.CostMeter(prior=prior)  # short samples barely show attention: its sd is far above ±50 %
+    for _ in range(60):
+        lens = rng.integers(100, 3000, size=int(rng.integers(1, 6)))
+        vague.record(lens, truth.micro_cost(lens) * (1.0 + 0.05 * rng.standard_normal()))
+    assert vague.report().attention_rel_std > HEDGE_MAX_SD
+    assert vague.cost().attention_rel_sd == HEDGE_MAX_SD
+    with pytest.raises(mp.PlanError, match="hedge"):
+        mp.CostMeter(prior=prior, hedge="yes")

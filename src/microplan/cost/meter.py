@@ -24,8 +24,11 @@ step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
    the window's typical one is refused at ``record``; degenerate records keep the prior).
 6. Identifiability. A term whose posterior variance is still more than half its prior's is
    named in ``MeterReport.prior_terms``: the records do not identify it, it stays at the prior.
-   ``MeterReport.attention_rel_std`` is the attention term's posterior sd (relative, scaled to
-   the noise the records show): what balancing still has to guess.
+   ``MeterReport.attention_rel_std`` is the posterior sd of attention / linear (relative, delta
+   method on the posterior covariance, scaled to the noise the records show): what balancing
+   still has to guess. With ``hedge=True`` (default)
+   the model handed out carries it as ``FlopsCost.attention_rel_sd`` (from ±2 %, at most ±50 %),
+   and the planner balances for every machine within ±1 sd (``microplan.stages.hedge``).
 
 CP. A record of a micro-batch split over c > 1 GPUs (``cp_size``) is fitted separately: when the
 window also holds unsplit records, the base model is fitted on those alone and the CP term
@@ -67,6 +70,8 @@ _FLOOR = 0.05                                  # a zero prior may still explain 
 _ATTN_WIDTH = 1.0                              # each attention term: ±100 %
 _REGIME_MARGIN = 0.05                          # the other regime must explain the records 5 % better
 _PRIOR_SHARE = 0.5                             # a term whose posterior variance is > 50 % of its prior's: "from the prior"
+HEDGE_MIN_SD = 0.02                            # hedge (attention_rel_sd) only when attention is known worse than ±2 %
+HEDGE_MAX_SD = 0.5                             # ... and never over more than ±50 %
 MAX_SPREAD = 1e9                               # record(): refuse a timing this far from the window's typical one
 TERMS = ("linear", "quadratic", "packed_quadratic", "per_micro")
 
@@ -78,6 +83,7 @@ class _Fit(NamedTuple):
     residual: float              # its weighted data residual (sum of squares)
     held: tuple[str, ...]        # terms the records leave at the prior
     std: np.ndarray              # posterior standard deviation of each coefficient (0 where not free)
+    cov: np.ndarray              # posterior covariance [4, 4] (0 where not free)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,11 +106,13 @@ class MeterReport:
             the same tokens, so it cannot be told from ``linear``) — left at the (rescaled) prior.
         cp_note: how the CP term was obtained (fitted on how many split micro-batches, which of
             its terms the records leave at the prior, or why it is the prior's); "" without one.
-        attention_rel_std: the posterior standard deviation of the fit's attention term (``quadratic``,
-            or ``packed_quadratic`` for a dense kernel) relative to its value — how well the records pin
-            the attention-to-linear ratio that balancing depends on (None before any record). At 5 %
-            timing noise, three warm-up steps leave it at a few percent, which costs plans a few tenths
-            of a percent of lockstep time (benchmarks/bench_meter.py --grid); more steps narrow it.
+        attention_rel_std: the posterior standard deviation of the fit's attention-to-linear ratio
+            (``quadratic``, or ``packed_quadratic`` for a dense kernel, over ``linear``; their
+            covariance included: near the cap ``per_micro`` trades off against ``linear``), relative
+            to its value, scaled to the noise the records show — how well the records pin the ratio
+            that balancing depends on (None before any record). At 5 % timing noise, three warm-up
+            steps leave it at ~5-15 %; ``cost()`` hands it to the planner, which hedges against it
+            (``FlopsCost.attention_rel_sd``).
     """
 
     num_records: int
@@ -125,7 +133,7 @@ class MeterReport:
         held = (f"; from the prior (the records do not identify them): {', '.join(self.prior_terms)}"
                 if self.prior_terms else "")
         if self.attention_rel_std is not None:
-            held += f"; attention term known to ±{self.attention_rel_std:.1%} (1 sd)"
+            held += f"; attention term (relative to linear) known to ±{self.attention_rel_std:.1%} (1 sd)"
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
                 f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}"
                 + (f"; {self.cp_note}" if self.cp_note else ""))
@@ -166,6 +174,17 @@ def _prior_coefficients(prior: CostModel | None) -> np.ndarray:
                         "quadratic, packed_quadratic and per_micro attributes).") from None
 
 
+def _ratio_sd(fit: _Fit, a: int, seen: float) -> float | None:
+    """Relative posterior sd of attention / linear (what balancing depends on: per_micro and linear
+    trade off on micro-batches near the cap, and that error moves the ratio too), by the delta
+    method on the posterior covariance, scaled by the noise the records show; None when undefined."""
+    th, C = fit.theta, fit.cov
+    if th[a] <= 0 or th[0] <= 0 or not np.all(np.isfinite(C[np.ix_((0, a), (0, a))])):
+        return None
+    var = C[a, a] / th[a] ** 2 + C[0, 0] / th[0] ** 2 - 2.0 * C[0, a] / (th[0] * th[a])
+    return float(np.sqrt(max(var, 0.0)) * seen)
+
+
 class CostMeter:
     """Online cost model: record micro-batch timings, plan the next step with :meth:`cost` (binding).
 
@@ -176,6 +195,9 @@ class CostMeter:
         noise: relative timing noise of one record (default 0.05 = 5 %).
         window: records kept (the oldest are forgotten first).
         half_life: records after which an old record weighs half as much (None: no decay).
+        hedge: hand the planner the attention term's uncertainty (``FlopsCost.attention_rel_sd``,
+            the posterior sd when it is at least ``HEDGE_MIN_SD``), so it balances for every
+            machine within ±1 sd (``microplan.stages.hedge``). False: plan on the point estimate.
 
     Usage, once per step on every rank (or on the driver, with every rank's timings)::
 
@@ -188,7 +210,7 @@ class CostMeter:
     """
 
     def __init__(self, prior: CostModel | None = None, *, noise: float = 0.05, window: int = 4096,
-                 half_life: int | None = 2048) -> None:
+                 half_life: int | None = 2048, hedge: bool = True) -> None:
         if prior is not None and not isinstance(prior, CostModel):
             raise PlanError(f"CostMeter(prior={prior!r}) must be a cost model (FlopsCost.from_hf_config(...), a "
                             "profile's .cost) or None.")
@@ -196,6 +218,9 @@ class CostMeter:
         self.noise = float_field("CostMeter(noise)", noise, positive=True)
         self.window = int_field("CostMeter(window)", window, minimum=8)
         self.half_life = None if half_life is None else int_field("CostMeter(half_life)", half_life, minimum=1)
+        if not isinstance(hedge, bool):
+            raise PlanError(f"CostMeter(hedge={hedge!r}) must be True or False.")
+        self.hedge = hedge
         self._theta0 = _prior_coefficients(prior)
         if not np.all(np.isfinite(self._theta0)) or self._theta0[:3].sum() <= 0:
             raise PlanError("CostMeter prior has no positive token term; pass a model whose linear, quadratic or "
@@ -319,13 +344,14 @@ class CostMeter:
         a = 2 if use_dense else 1
         dof = m - (4 if use_dense else 3)  # the noise the records show, not the one assumed (``noise``)
         seen = float(np.sqrt(fit.residual / dof)) if dof >= 3 and np.isfinite(fit.residual) else 1.0
-        self._attn_std = float(fit.std[a] * seen / theta[a]) if theta[a] > 0 and np.isfinite(fit.std[a]) else None
+        self._attn_std = _ratio_sd(fit, a, seen)
         if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
             theta, held, self._attn_std = (mu_den if use_dense else mu_var), tuple(TERMS), None
         self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
         theta = theta * unit
+        sd = self._attn_std if self.hedge and self._attn_std is not None and self._attn_std >= HEDGE_MIN_SD else 0.0
         base = FlopsCost(linear=float(theta[0]), quadratic=float(theta[1]), packed_quadratic=float(theta[2]),
-                         per_micro=float(theta[3]))
+                         per_micro=float(theta[3]), attention_rel_sd=min(sd, HEDGE_MAX_SD))
         return self._with_cp(base)
 
     def _with_cp(self, base: FlopsCost) -> FlopsCost:
@@ -338,7 +364,7 @@ class CostMeter:
         if not split.any():
             self._cp_note = "" if prior is None else "CP term from the prior (no split micro-batch timed)"
             return FlopsCost(linear=base.linear, quadratic=base.quadratic, per_micro=base.per_micro,
-                             packed_quadratic=base.packed_quadratic, cp=prior)
+                             packed_quadratic=base.packed_quadratic, cp=prior, attention_rel_sd=base.attention_rel_sd)
         X = np.array(self._x)[split]
         X = X[:, 4:] if base.dense else X[:, :4]
         whole = X * np.array([1.0, 1.0, 1.0, 0.0]) * c[split][:, None]   # undo the 1/c of the features
@@ -352,7 +378,7 @@ class CostMeter:
             got = fit_cp(mc, tokens, c[split], np.array(self._y)[split], base.per_micro, prior)
             cp, self._cp_note = got.cp, got.note
         return FlopsCost(linear=base.linear, quadratic=base.quadratic, per_micro=base.per_micro,
-                         packed_quadratic=base.packed_quadratic, cp=cp)
+                         packed_quadratic=base.packed_quadratic, cp=cp, attention_rel_sd=base.attention_rel_sd)
 
     def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
                  prior_dense: bool) -> tuple[_Fit, bool]:
@@ -362,7 +388,8 @@ class CostMeter:
                     self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
             nan = np.full(4, np.nan)
-            fits = [_Fit(mu_var, np.inf, TERMS, nan), _Fit(mu_den, np.inf, TERMS, nan)]
+            fits = [_Fit(mu_var, np.inf, TERMS, nan, np.full((4, 4), np.nan)),
+                    _Fit(mu_den, np.inf, TERMS, nan, np.full((4, 4), np.nan))]
         var, den = fits
         # the dense regime only when the records say so clearly (and it keeps a packed term)
         if prior_dense:
@@ -401,12 +428,15 @@ class CostMeter:
         theta[cols] = sol
         r = (X @ theta - y) * w
         # posterior variance of each term (Gaussian, ignoring θ >= 0) against its prior variance τ²
-        post = np.diag(np.linalg.pinv(An.T @ An)) / norms ** 2
+        sub = np.linalg.pinv(An.T @ An) / np.outer(norms, norms)
+        post = np.diag(sub)
         share = post / np.array([tau[j] for j in cols]) ** 2
         held = tuple(TERMS[j] for j, f in zip(cols, share) if f > _PRIOR_SHARE)
         std = np.zeros(4)
         std[cols] = np.sqrt(np.maximum(post, 0.0))
-        return _Fit(theta, float(r @ r), held, std)
+        cov = np.zeros((4, 4))
+        cov[np.ix_(cols, cols)] = sub
+        return _Fit(theta, float(r @ r), held, std, cov)
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"

@@ -226,6 +226,13 @@ class FlopsCost:
             a split micro-batch's efficiency and overhead, in the same units), or None: a
             micro-batch split over c GPUs costs each ``(cost − per_micro)/c + per_micro``
             (``microplan.cost.cp.cp_micro_costs``).
+        attention_rel_sd: how well the attention terms (``quadratic``, ``packed_quadratic``) are
+            known, as a relative standard deviation (0 <= sd < 1). Default 0: trust them. When
+            > 0 the planner hedges: under ``sync="micro"`` its last balancing pass lowers the sum
+            of the lockstep times at attention × (1 − sd), × 1 and × (1 + sd)
+            (``microplan.stages.hedge``), so a plan stays balanced whichever the machine turns
+            out to be. :class:`microplan.CostMeter` sets it from its fit's posterior; predicted
+            costs (``micro_cost``) use the point estimate.
 
     All four are finite and >= 0 and at least one of the token terms is positive. Build one
     from a model's dimensions with :meth:`from_hf_config`, fit one to timings with
@@ -237,9 +244,15 @@ class FlopsCost:
     per_micro: float = 0.0
     packed_quadratic: float = 0.0
     cp: CPCost | None = None
+    attention_rel_sd: float = 0.0
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "cp", cp_from_dict(self.cp))
+        sd = float_field("FlopsCost.attention_rel_sd", self.attention_rel_sd, minimum=0.0)
+        if sd >= 1.0:
+            raise PlanError(f"FlopsCost.attention_rel_sd={sd!r} must be below 1 (a relative standard deviation of "
+                            "the attention terms); pass e.g. 0.1 for ±10 %, or 0 to trust them.")
+        object.__setattr__(self, "attention_rel_sd", sd)
         for name, power in (("linear", 1), ("quadratic", 2), ("per_micro", 0), ("packed_quadratic", 2)):
             object.__setattr__(self, name, float_field(f"FlopsCost.{name}", getattr(self, name), minimum=0.0))
             check_coefficient(f"FlopsCost.{name}", getattr(self, name), power)
@@ -276,6 +289,8 @@ class FlopsCost:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"type": "FlopsCost", "linear": self.linear, "quadratic": self.quadratic,
                                "per_micro": self.per_micro, "packed_quadratic": self.packed_quadratic}
+        if self.attention_rel_sd:
+            out["attention_rel_sd"] = self.attention_rel_sd
         return out if self.cp is None else {**out, "cp": self.cp.to_dict()}
 
     @property
@@ -300,7 +315,8 @@ class FlopsCost:
         where = "never (no attention term)" if cross == float("inf") else f"L={cross:,.0f}"
         packed = f", packed_quadratic={self.packed_quadratic:.4g}/T²" if self.packed_quadratic else ""
         cp = "" if self.cp is None else f"; {self.cp.describe()}"
-        return (f"FlopsCost: linear={self.linear:.4g}/token, quadratic={self.quadratic:.4g}/token²{packed}, "
+        sd = f" (±{self.attention_rel_sd:.1%})" if self.attention_rel_sd else ""
+        return (f"FlopsCost: linear={self.linear:.4g}/token, quadratic={self.quadratic:.4g}/token²{sd}{packed}, "
                 f"per_micro={self.per_micro:.4g}/micro; attention = linear at {where}{cp}")
 
     @classmethod

@@ -42,6 +42,7 @@ from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange, grid_time
 from .kchoice import KChoice, choose_k, choose_k_pipeline, packed_slope, step_slots, time_lower_bounds
 from .layout import StepLayout
+from .hedge import hedge_lockstep, hedge_scenarios
 from .lockstep import refine_lockstep
 from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
 from .padded import PaddedSamples, pack_padded
@@ -140,7 +141,28 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
             time=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg, search=False),
             exact=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg))
     known = slots.get(K)
-    return _Packing(bin_of, min(n, D * K), K, choice, known if known is not None and known.bin_of is bin_of else None)
+    known = known if known is not None and known.bin_of is bin_of else None
+    if cfg.sync == "micro" and cp == 1 and (scen := hedge_scenarios(cost)):  # a cost known only to ±sd
+        known = _hedged(bin_of, known, lens, costs, scen, D, K, cap, cost, extra)
+        bin_of = known.bin_of
+    return _Packing(bin_of, min(n, D * K), K, choice, known)
+
+
+def _hedged(bin_of: np.ndarray, known: Slots | None, lens: np.ndarray, costs: np.ndarray, scen: tuple,
+            D: int, K: int, cap: int, cost: CostModel, extra: Extra | None) -> Slots:
+    """The packing after the hedged lockstep pass (``hedge.py``), with its costs and the slot grid it
+    kept (the layout re-uses that grid: re-arranging by the point estimate would undo the hedge)."""
+    nb = D * K
+    if known is None:
+        mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens,
+                       minlength=nb), np.bincount(bin_of, minlength=nb))
+        known = Slots(bin_of, mc, arrange(mc, D, K))
+    out = hedge_lockstep(bin_of, known.grid, lens, costs, scen, cap, extra=extra)
+    if out is bin_of:
+        return known
+    mc = bin_costs(cost, np.bincount(out, weights=costs, minlength=nb), np.bincount(out, weights=lens, minlength=nb),
+                   np.bincount(out, minlength=nb))
+    return Slots(out, mc, known.grid)
 
 
 def _pipeline_time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, *,
