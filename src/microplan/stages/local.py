@@ -210,14 +210,11 @@ def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | N
         else:
             raw[r] = bal
         out[r] = got
-    tops = {r: float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
-            for r in ranks.busy.tolist()}
-
+    first = {r: raw[r] if r in raw else _balance_costs(ranks, r, K, cfg) for r in ranks.busy.tolist()}
+    prof = _Profiles(out, first, K)
+    tops = {r: float(prof.row(r)[0]) for r in first}
     bals = dict(raw)
     repaired: set[int] = set()
-
-    def top(r: int) -> float:
-        return float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
 
     def refine(r: int, tau: np.ndarray) -> None:
         bal = raw.pop(r)
@@ -225,15 +222,18 @@ def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | N
         offset = np.empty(K)
         offset[np.argsort(-load, kind="stable")] = tau  # heaviest bin toward slot 0's target, and so on
         out[r] = refine_bins(out[r], ranks.lens[r], bal, K, cap, offset=offset, extra=ranks.extra[r])
-        tops[r] = top(r)
+        tops[r] = prof.update(r, out[r])
+
+    def repair(r: int, tau: np.ndarray) -> None:
+        out[r] = _repair(out[r], bals[r], ranks.lens[r], ranks.extra[r], tau, cap, prof.others(r))
+        tops[r] = prof.update(r, out[r])
     while True:  # the heaviest bin of any rank, that rank refined (then repaired) toward the targets first
         r = max(tops, key=tops.__getitem__)
         if r in raw:
             refine(r, tau)
         elif REPAIR and r in bals and r not in repaired and tops[r] > tau[0] * (1 + LIFT_GAP):
-            out[r] = _repair(out[r], bals[r], ranks.lens[r], ranks.extra[r], tau, cap)
+            repair(r, tau)
             repaired.add(r)
-            tops[r] = top(r)
         else:
             break
     if tops[r] > tau[0] * (1 + LIFT_GAP):
@@ -241,26 +241,53 @@ def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | N
         tau = fill_targets(lead, total, 1, K)
     for r in list(raw):
         refine(r, tau)
-    if REPAIR:
-        _repair_all(out, bals, ranks, tau, cap)
+    if REPAIR:  # step 4, the ranks furthest above the targets first
+        env = np.full(K, LIFT_GAP * float(tau.mean()))
+        for r in sorted(bals, key=lambda r: -float(np.maximum(prof.row(r) - tau, 0).sum())):
+            if (prof.row(r) - tau <= env).all():
+                continue  # every micro-batch within what the repaired ranks keep above the targets
+            repair(r, tau)
+            env = np.maximum(env, prof.row(r) - tau)
     return out
 
 
-def _excess(loads: np.ndarray, tau: np.ndarray) -> np.ndarray:
-    """Each of a rank's loads, heaviest first, above its slot's target (≤ 0: under it)."""
-    return -np.sort(-loads) - tau
+class _Profiles:
+    """Every busy rank's loads heaviest first (first-order units), for the slot maxima of the others."""
+
+    def __init__(self, out: list[np.ndarray], costs: dict[int, np.ndarray], K: int) -> None:
+        self.costs, self.K = costs, K
+        self.index = {r: i for i, r in enumerate(costs)}
+        self.P = np.zeros((len(costs), K))
+        for r in costs:
+            self.update(r, out[r])
+
+    def update(self, r: int, bins: np.ndarray) -> float:
+        """Store rank r's new loads; its heaviest."""
+        self.P[self.index[r]] = -np.sort(-np.bincount(bins, weights=self.costs[r], minlength=self.K))
+        return float(self.P[self.index[r], 0])
+
+    def row(self, r: int) -> np.ndarray:
+        return self.P[self.index[r]]
+
+    def others(self, r: int) -> np.ndarray:
+        """Per slot, the heaviest of every other rank."""
+        if self.P.shape[0] == 1:
+            return np.zeros(self.K)
+        return np.delete(self.P, self.index[r], axis=0).max(axis=0)
 
 
 def _repair(bins: np.ndarray, bal: np.ndarray, lens: np.ndarray, extra: tuple[np.ndarray, int] | None,
-            tau: np.ndarray, cap: int) -> np.ndarray:
+            tau: np.ndarray, cap: int, others: np.ndarray) -> np.ndarray:
     """A rank's bins after step 4 of the module note (unchanged when within ``LIFT_GAP`` of a mean
     target of the targets): differencing toward the targets where it overshoots less, then pooled
-    re-splits of its bin furthest above its target."""
+    re-splits of its bin furthest above its target; kept only if the step's lockstep time with
+    the other ranks' slot maxima ``others`` does not rise (the busiest rank, at its targets' sum,
+    must not trade an uneven profile that others match for a flat one they do not)."""
     K = tau.size
     tol = LIFT_GAP * float(tau.mean())
 
-    def over(b: np.ndarray) -> float:
-        return overshoot(np.bincount(b, weights=bal, minlength=K), tau)
+    def over(b: np.ndarray, t: np.ndarray = tau) -> float:
+        return overshoot(np.bincount(b, weights=bal, minlength=K), t)
     floor = float(tau.sum()) + tol
     best = bins
     if over(best) <= floor:
@@ -270,22 +297,7 @@ def _repair(bins: np.ndarray, bal: np.ndarray, lens: np.ndarray, extra: tuple[np
         best = alt
     if over(best) > floor:
         best = repartition_pairs(best, bal, lens, tau, cap, extra=extra, tol=tol, max_rounds=REPAIR_ROUNDS)
-    return best
-
-
-def _repair_all(out: list[np.ndarray], bal: dict[int, np.ndarray], ranks: _Ranks, tau: np.ndarray, cap: int) -> None:
-    """Step 4 over the ranks, furthest above the targets first; a rank whose every load is at most
-    what the repaired ranks keep above their targets in that slot (their envelope) is left as is:
-    it raises no slot maximum."""
-    K = tau.size
-    tol = LIFT_GAP * float(tau.mean())
-    ex = {r: _excess(np.bincount(out[r], weights=b, minlength=K), tau) for r, b in bal.items()}
-    env = np.full(K, tol)
-    for r in sorted(ex, key=lambda r: -float(np.maximum(ex[r], 0).sum())):
-        if (ex[r] <= env).all():
-            continue
-        out[r] = _repair(out[r], bal[r], ranks.lens[r], ranks.extra[r], tau, cap)
-        env = np.maximum(env, _excess(np.bincount(out[r], weights=bal[r], minlength=K), tau))
+    return best if over(best, others) <= over(bins, others) else bins
 
 
 def _pack_or_refuse(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:
