@@ -45,15 +45,15 @@ over the whole step exactly as in global placement) plus: every sample runs on `
 The bound the split allows is ``stats.split_lower_bound`` (the busiest rank's own bound at the
 fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/bench_planners.py,
 "local" rows, 2026-11-26, lockstep / split bound, worst over 6 seeds × 4 families): pinned by
-verl's driver split, dp 8/32 ≤ 1.0082 -> see docs/planner.md, dp 128 1.0159 -> 1.0027 with step
-4 (bimodal dp 128 seed 0: K = 4 at 1.0159 -> K = 3 at 1.0007; an annealing search over every
-rank's packing, benchmarks/local_reference.py, found 1.0005 at K = 3 and 1.0045 at K = 4, so the
-gap was the plan's, not the bound's); pinned round robin ≤ 1.0028 (the ranks' unequal totals,
-1.2–1.6× the global bound, are the split's and no local plan can recover them). CPU time of the
-local plans at dp 128, side by side with the code before step 4 (48 cases, both splits): 1.21×
-in all, 1.26× over the verl-split cases; up to ~2.8× on one 64-samples-per-rank case (K = 10,
-differencing of 64 atoms per rank) and down to 0.5× where the better packing ends the K walk
-sooner.
+verl's driver split, dp 8/32/128 ≤ 1.0014/1.0032/1.0029 with step 4 (1.0015/1.0082/1.0159
+without: bimodal dp 128 seed 0 was K = 4 at 1.0159, now K = 3 at 1.0007; an annealing search
+over every rank's packing, benchmarks/local_reference.py, finds 1.0002 at K = 3 from the old
+packing and nothing better than the plan's 1.0007 from the new one, so the gap was the plan's,
+not the bound's); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the global
+bound, are the split's and no local plan can recover them). CPU time at dp 128 side by side in
+one process with ``REPAIR`` off (the code before step 4), 48 cases, min of 2: 1.19× in all,
+1.23× over the verl-split cases, 0.48–2.06× per case (K = 10 steps of 64 samples per GPU pay
+~0.5 ms of differencing per rank; coarse steps end the K walk sooner).
 """
 
 from __future__ import annotations
