@@ -17,30 +17,43 @@ only regroup each rank's own samples. Per step:
 3. Lift (lockstep, ≥ 2 busy ranks): a rank with a few coarse samples (three of 16k tokens among
    16, K = 4) cannot meet slot 0's target, and every slot waits for its heaviest rank, so slot
    0's target is raised to the heaviest bin some rank cannot avoid — first estimated (LPT of each
-   rank's 2K heaviest atoms), then measured (the heaviest refined bin after LPT toward the
-   targets) — and every rank is refined toward the lifted targets (``refine.refine_bins`` with
-   per-bin offsets, heaviest bin toward slot 0): the other ranks load slot 0 up to what the
-   coarse rank forces there anyway and empty their later slots.
-4. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
+   rank's 2K heaviest atoms), then measured (the heaviest bin after LPT toward the targets, the
+   rank refined and then repaired as in step 4, until the heaviest bin is a repaired one) — and
+   every rank is refined toward the lifted targets (``refine.refine_bins`` with per-bin offsets,
+   heaviest bin toward slot 0): the other ranks load slot 0 up to what the coarse rank forces
+   there anyway and empty their later slots.
+4. Repair (lockstep, ≥ 2 busy ranks): each slot's time is its heaviest rank's, so at dp 128 every
+   rank must meet the targets, not most of them. A rank still above them is re-packed by
+   Karmarkar–Karp differencing toward the targets (``local_refine.differencing_bins``, kept where
+   it overshoots less), then up to ``REPAIR_ROUNDS`` exact re-splits of its bin furthest above
+   its target pooled with another bin (``local_refine.repartition_pairs``): LPT and two-bin
+   exchanges of single samples stop where only a three-way cycle helps (a rank whose two 16k-token
+   samples share a micro-batch). Ranks furthest above go first; a rank whose every micro-batch is
+   within what the repaired ranks keep above their targets in that slot is left as is.
+5. Slots: each rank runs its micro-batches heaviest first (``assign.arrange`` on one rank). For
    fixed micro-batch costs this minimises the lockstep time Σ_m max_r cost(r, m): rank r's k
    heaviest micro-batches occupy k distinct slots, so the k-th largest slot maximum is at least
    max_r (k-th heaviest of rank r), which the sorted arrangement attains.
-5. Polish (lockstep, at the chosen K): the ranks holding a slot's maximum move or swap atoms (and
+6. Polish (lockstep, at the chosen K): the ranks holding a slot's maximum move or swap atoms (and
    pairs of atoms) between their own bins against the other ranks' slot maxima
    (``local_refine.polish_local``); the lockstep time never rises.
-6. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
+7. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
    are dropped until every rank fills K (``drop``), or a PlanError names the ranks (``error``).
 
 Guarantees: those of every plan (equal K, aligned, cap, coverage, exact loss scales computed
 over the whole step exactly as in global placement) plus: every sample runs on ``rank_of``.
 The bound the split allows is ``stats.split_lower_bound`` (the busiest rank's own bound at the
 fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/bench_planners.py,
-"local" rows, full run 2026-11-26, lockstep / split bound, median/worst): pinned by verl's driver
-split, dp 8/32 1.0002–1.0052 / ≤ 1.0082 (was ≤ 1.0206 before steps 3 and 5), dp 128 ≤ 1.0159
-(bimodal; was 1.0191); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the
-global bound, are the split's and no local plan can recover them). Steps 3 and 5 cost 1.11–1.19×
-the local plan time at dp 128 (CPU time side by side over the 24 cases); planning is still ~10×
-the global planner at dp 128 (one packing per rank).
+"local" rows, 2026-11-26, lockstep / split bound, worst over 6 seeds × 4 families): pinned by
+verl's driver split, dp 8/32/128 ≤ 1.0014/1.0032/1.0029 with step 4 (1.0015/1.0082/1.0159
+without: bimodal dp 128 seed 0 was K = 4 at 1.0159, now K = 3 at 1.0007; an annealing search
+over every rank's packing, benchmarks/local_reference.py, finds 1.0002 at K = 3 from the old
+packing and nothing better than the plan's 1.0007 from the new one, so the gap was the plan's,
+not the bound's); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the global
+bound, are the split's and no local plan can recover them). CPU time at dp 128 side by side in
+one process with ``REPAIR`` off (the code before step 4), 48 cases, min of 2: 1.19× in all,
+1.23× over the verl-split cases, 0.48–2.06× per case (K = 10 steps of 64 samples per GPU pay
+~0.5 ms of differencing per rank; coarse steps end the K walk sooner).
 """
 
 from __future__ import annotations
@@ -60,13 +73,15 @@ from .assign import grid_time
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
 from .layout import StepLayout
-from .local_refine import RankBins, polish_local
+from .local_refine import RankBins, differencing_bins, overshoot, polish_local, repartition_pairs
 from .pack import bins_lower_bound, lpt_pack_wide, round_robin_pack
 from .padded import pack_padded_at
 from .refine import refine_bins
 
 __all__ = ["fit_local", "LocalFit"]
 
+REPAIR = True  # step 4 of the module note (False: the plan before it, for timing side by side)
+REPAIR_ROUNDS = 4  # pooled re-splits per rank (local_refine.repartition_pairs)
 LIFT_GAP = 1e-3  # slot 0's target is lifted when some rank's heaviest bin exceeds it by this share
 
 BinCost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (positions, bin_of, num_bins) -> cost per bin
@@ -195,8 +210,11 @@ def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | N
         else:
             raw[r] = bal
         out[r] = got
-    tops = {r: float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
-            for r in ranks.busy.tolist()}
+    first = {r: raw[r] if r in raw else _balance_costs(ranks, r, K, cfg) for r in ranks.busy.tolist()}
+    prof = _Profiles(out, first, K)
+    tops = {r: float(prof.row(r)[0]) for r in first}
+    bals = dict(raw)
+    repaired: set[int] = set()
 
     def refine(r: int, tau: np.ndarray) -> None:
         bal = raw.pop(r)
@@ -204,18 +222,82 @@ def _pack_lifted(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | N
         offset = np.empty(K)
         offset[np.argsort(-load, kind="stable")] = tau  # heaviest bin toward slot 0's target, and so on
         out[r] = refine_bins(out[r], ranks.lens[r], bal, K, cap, offset=offset, extra=ranks.extra[r])
-        tops[r] = float(np.bincount(out[r], weights=_balance_costs(ranks, r, K, cfg), minlength=K).max())
-    while True:  # the heaviest bin of any rank, that rank refined toward the shared targets first
+        tops[r] = prof.update(r, out[r])
+
+    def repair(r: int, tau: np.ndarray) -> None:
+        out[r] = _repair(out[r], bals[r], ranks.lens[r], ranks.extra[r], tau, cap, prof.others(r))
+        tops[r] = prof.update(r, out[r])
+    while True:  # the heaviest bin of any rank, that rank refined (then repaired) toward the targets first
         r = max(tops, key=tops.__getitem__)
-        if r not in raw:
+        if r in raw:
+            refine(r, tau)
+        elif REPAIR and r in bals and r not in repaired and tops[r] > tau[0] * (1 + LIFT_GAP):
+            repair(r, tau)
+            repaired.add(r)
+        else:
             break
-        refine(r, tau)
     if tops[r] > tau[0] * (1 + LIFT_GAP):
         lead[0] = tops[r]
         tau = fill_targets(lead, total, 1, K)
     for r in list(raw):
         refine(r, tau)
+    if REPAIR:  # step 4, the ranks furthest above the targets first
+        env = np.full(K, LIFT_GAP * float(tau.mean()))
+        for r in sorted(bals, key=lambda r: -float(np.maximum(prof.row(r) - tau, 0).sum())):
+            if (prof.row(r) - tau <= env).all():
+                continue  # every micro-batch within what the repaired ranks keep above the targets
+            repair(r, tau)
+            env = np.maximum(env, prof.row(r) - tau)
     return out
+
+
+class _Profiles:
+    """Every busy rank's loads heaviest first (first-order units), for the slot maxima of the others."""
+
+    def __init__(self, out: list[np.ndarray], costs: dict[int, np.ndarray], K: int) -> None:
+        self.costs, self.K = costs, K
+        self.index = {r: i for i, r in enumerate(costs)}
+        self.P = np.zeros((len(costs), K))
+        for r in costs:
+            self.update(r, out[r])
+
+    def update(self, r: int, bins: np.ndarray) -> float:
+        """Store rank r's new loads; its heaviest."""
+        self.P[self.index[r]] = -np.sort(-np.bincount(bins, weights=self.costs[r], minlength=self.K))
+        return float(self.P[self.index[r], 0])
+
+    def row(self, r: int) -> np.ndarray:
+        return self.P[self.index[r]]
+
+    def others(self, r: int) -> np.ndarray:
+        """Per slot, the heaviest of every other rank."""
+        if self.P.shape[0] == 1:
+            return np.zeros(self.K)
+        return np.delete(self.P, self.index[r], axis=0).max(axis=0)
+
+
+def _repair(bins: np.ndarray, bal: np.ndarray, lens: np.ndarray, extra: tuple[np.ndarray, int] | None,
+            tau: np.ndarray, cap: int, others: np.ndarray) -> np.ndarray:
+    """A rank's bins after step 4 of the module note (unchanged when within ``LIFT_GAP`` of a mean
+    target of the targets): differencing toward the targets where it overshoots less, then pooled
+    re-splits of its bin furthest above its target; kept only if the step's lockstep time with
+    the other ranks' slot maxima ``others`` does not rise (the busiest rank, at its targets' sum,
+    must not trade an uneven profile that others match for a flat one they do not)."""
+    K = tau.size
+    tol = LIFT_GAP * float(tau.mean())
+
+    def over(b: np.ndarray, t: np.ndarray = tau) -> float:
+        return overshoot(np.bincount(b, weights=bal, minlength=K), t)
+    floor = float(tau.sum()) + tol
+    best = bins
+    if over(best) <= floor:
+        return best
+    alt = differencing_bins(bal, lens, tau, cap, extra)
+    if alt is not None and over(alt) < over(best):
+        best = alt
+    if over(best) > floor:
+        best = repartition_pairs(best, bal, lens, tau, cap, extra=extra, tol=tol, max_rounds=REPAIR_ROUNDS)
+    return best if over(best, others) <= over(bins, others) else bins
 
 
 def _pack_or_refuse(ranks: _Ranks, K: int, cfg: PlanConfig) -> list[np.ndarray] | None:

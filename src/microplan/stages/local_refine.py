@@ -26,21 +26,32 @@ after the lift of ``local.py``): lockstep over the split's bound median 1.0018 -
 1.0121 -> 1.0082, for ~5 % of the local plan time at dp 128 (profiled over the 24 cases). Pairs
 are tried only when no single atom helps: a rank whose bins hold two mid-size samples each
 often needs one pair swapped against a single sample.
+
+Before the polish, ``local.py`` repairs each rank against the shared slot targets (its step 4)
+with the two re-packers below: ``differencing_bins`` (Karmarkar–Karp toward the targets) and
+``repartition_pairs`` (exact re-splits of two pooled bins). Where the polish needs a change that
+lowers a slot maximum *now*, they work against fixed targets, so 128 ranks within 0.1% of one
+slot's maximum (none of them alone lowering it) are all moved below it; measured in local.py.
 """
 
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 import numpy as np
 
 from ..cost.models import CostModel, bin_costs
 
-__all__ = ["polish_local", "RankBins", "STOP_GAP", "MAX_ATOMS"]
+__all__ = ["polish_local", "RankBins", "STOP_GAP", "MAX_ATOMS", "differencing_bins", "repartition_pairs",
+           "overshoot"]
 
 STOP_GAP = 1e-4  # a change must lower the step's lockstep time by this share of it
 MAX_ATOMS = 256  # ranks holding more atoms are not polished (fine granularity: LPT balances them)
 MAX_CANDIDATES = 1 << 20  # (changes × K) of one kind evaluated at once; beyond it that kind is skipped
+PAIRS = 2  # bins (lowest excess first) a rank's bin furthest above its target is pooled with per round
+POOL_ATOMS = 10  # the most atoms of two pooled bins re-split exactly (2^10 subsets priced at once)
+_BITS: dict[int, np.ndarray] = {}  # m -> the 2^m × m matrix of subset bits
 
 
 class RankBins(NamedTuple):
@@ -218,3 +229,142 @@ def _candidates(c: np.ndarray, A: np.ndarray, T: np.ndarray, cnt: np.ndarray, a:
     C[rows, a] = new_a
     C[rows, t] = new_t
     return _objective(C, others), C
+
+
+def differencing_bins(costs: np.ndarray, lens: np.ndarray, targets: np.ndarray, cap: int,
+                      extra: tuple[np.ndarray, int] | None = None) -> np.ndarray | None:
+    """One rank's atoms in K = ``targets.size`` bins by Karmarkar–Karp differencing toward per-bin
+    ``targets`` (descending), or None when a bin breaks the token (or ``extra``) cap or is empty.
+
+    Every atom starts as a K-tuple (its cost, 0, …); bin k is pre-loaded with τ_0 − τ_k, so equal
+    sums mean every bin at its target; the two tuples of largest spread are merged, heaviest
+    part with lightest, until one tuple is left. Differencing places the big atoms against each
+    other first, so it separates what LPT and two-bin re-splits cannot (tests/test_local_repair.py:
+    a rank of bimodal dp 128 whose two 16k-token samples share one of K = 3 micro-batches, 1.039×
+    its mean -> within 0.1% of it). O(n log n + n·K log K) Python: ~0.1 ms for 16 atoms in 3 bins,
+    ~0.5 ms for 64 in 10."""
+    K = targets.size
+    n = costs.size
+    if n < K:
+        return None
+    # a tuple: (−spread, tie, sums descending, parts: lists of atom ids); the pre-load's parts
+    # carry the marker −1 − k of their bin k
+    heap: list[tuple[float, int, list[float], list]] = []
+    zeros = [0.0] * (K - 1)
+    for i, c in enumerate(costs.tolist()):
+        heap.append((-c, i, [c] + zeros, [[i]] + [[] for _ in range(K - 1)]))
+    pre = (float(targets[0]) - targets).tolist()  # ascending bins' pre-loads, bin 0 none
+    order = sorted(range(K), key=pre.__getitem__, reverse=True)
+    heap.append((-(max(pre) - min(pre)), -1, [pre[k] for k in order], [[-1 - k] for k in order]))
+    heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
+    while len(heap) > 1:
+        _, t1, s1, m1 = pop(heap)
+        _, t2, s2, m2 = pop(heap)
+        s = [a + b for a, b in zip(s1, reversed(s2))]
+        m = [a + b for a, b in zip(m1, reversed(m2))]
+        idx = sorted(range(K), key=s.__getitem__, reverse=True)
+        s = [s[i] for i in idx]
+        push(heap, (s[-1] - s[0], t1 if t1 < t2 else t2, s, [m[i] for i in idx]))
+    out = np.empty(n, dtype=np.int64)
+    for part in heap[0][3]:
+        k = -1 - min(part)  # the pre-load's marker names the bin
+        out[[i for i in part if i >= 0]] = k
+    counts = np.bincount(out, minlength=K)
+    if counts.min() == 0 or np.bincount(out, weights=lens, minlength=K).max() > cap:
+        return None
+    if extra is not None and np.bincount(out, weights=extra[0], minlength=K).max() > extra[1]:
+        return None
+    return out
+
+
+def overshoot(loads: np.ndarray, targets: np.ndarray) -> float:
+    """Σ_k max(τ_k, k-th heaviest load): a rank's lockstep time against slot maxima ``targets``."""
+    return float(np.maximum(-np.sort(-loads), targets).sum())
+
+
+def repartition_pairs(bins: np.ndarray, costs: np.ndarray, lens: np.ndarray, targets: np.ndarray, cap: int, *,
+                      extra: tuple[np.ndarray, int] | None = None, tol: float = 0.0,
+                      max_rounds: int | None = None) -> np.ndarray:
+    """One rank's bins re-partitioned two at a time toward sorted per-slot ``targets``.
+
+    The bin with the largest excess (load − the target of its place among the loads, heaviest
+    first) is pooled with another bin, lowest excess first (``PAIRS`` of them), and the pool is
+    split the best way: every subset of its ``POOL_ATOMS`` costliest atoms is priced at once (the
+    others stay), the pair's larger excess minimised under the caps, neither bin losing all of
+    the pool. The first pair that lowers the largest excess by more than ``tol`` is kept — the
+    largest excess never rises (loads matched to targets in sorted order minimise it). Stops
+    when it is ≤ ``tol``, when no pair helps, or after ``max_rounds`` (default 4·K). A two-bin
+    exchange of single atoms (``refine.refine_bins``) cannot trade one long sample for three
+    mid-size ones; a pool's best split can."""
+    K = targets.size
+    out = bins.copy()
+    ex = None if extra is None else extra[0]
+    for _ in range(4 * K if max_rounds is None else max_rounds):
+        load = np.bincount(out, weights=costs, minlength=K)
+        tgt = np.empty(K)
+        tgt[np.argsort(-load, kind="stable")] = targets
+        excess = load - tgt
+        h = int(excess.argmax())
+        if excess[h] <= tol:
+            break
+        done = False
+        for j in np.argsort(excess, kind="stable")[:PAIRS].tolist():
+            if j == h:
+                continue
+            pool = np.flatnonzero((out == h) | (out == j))
+            if pool.size < 2:
+                continue
+            t_h, t_j, room_h, room_j = float(tgt[h]), float(tgt[j]), cap, cap
+            xr_h = xr_j = None if extra is None else extra[1]
+            if pool.size > POOL_ATOMS:  # the costliest POOL_ATOMS atoms are re-split, the rest stay
+                by = pool[np.argsort(-costs[pool], kind="stable")]
+                pool, rest = by[:POOL_ATOMS], by[POOL_ATOMS:]
+                in_h = out[rest] == h
+                t_h -= float(costs[rest][in_h].sum())
+                t_j -= float(costs[rest][~in_h].sum())
+                room_h -= int(lens[rest][in_h].sum())
+                room_j -= int(lens[rest][~in_h].sum())
+                if ex is not None:
+                    xr_h -= int(ex[rest][in_h].sum())  # type: ignore[operator]
+                    xr_j -= int(ex[rest][~in_h].sum())  # type: ignore[operator]
+            got = _best_split(costs[pool], lens[pool], None if ex is None else ex[pool], t_h, t_j,
+                              room_h, room_j, xr_h, xr_j)
+            if got is not None and got[1] < excess[h] - tol:
+                out[pool] = np.where(got[0], h, j)
+                done = True
+                break
+        if not done:
+            break
+    return out
+
+
+
+def _subset_sums(x: np.ndarray) -> np.ndarray:
+    """Σ over every subset of the rows of ``x`` [m, cols] (subset s holds row i iff bit i of s is set)."""
+    m = x.shape[0]
+    bits = _BITS.get(m)
+    if bits is None:
+        bits = _BITS[m] = ((np.arange(1 << m)[:, None] >> np.arange(m)) & 1).astype(np.float64)
+    return bits @ x
+
+
+def _best_split(c: np.ndarray, ln: np.ndarray, x: np.ndarray | None, t_a: float, t_b: float, room_a: int,
+                room_b: int, x_a: int | None, x_b: int | None) -> tuple[np.ndarray, float] | None:
+    """(mask of the atoms bin a takes, the larger excess) of the best split of a pool of atoms
+    between bins a and b (targets t_a, t_b; token rooms room_a, room_b; ``x`` and x_a, x_b: a
+    second capped resource), no bin left without atoms unless it holds others; None if none fits."""
+    m = c.size
+    cols = np.stack([c, ln.astype(np.float64)] + ([] if x is None else [x.astype(np.float64)]), axis=1)
+    sums = _subset_sums(cols)
+    cs, ls = sums[:, 0], sums[:, 1]
+    ok = (ls <= room_a) & (ls[-1] - ls <= room_b)
+    if x is not None:
+        xs = sums[:, 2]
+        ok &= (xs <= x_a) & (xs[-1] - xs <= x_b)
+    ok[0] = ok[-1] = False  # neither bin left empty (a pool of the costliest atoms: still safe)
+    if not ok.any():
+        return None
+    worst = np.where(ok, np.maximum(cs - t_a, cs[-1] - cs - t_b), np.inf)
+    s = int(worst.argmin())
+    return (s >> np.arange(m)) & 1 == 1, float(worst[s])
