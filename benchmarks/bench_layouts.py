@@ -202,7 +202,7 @@ def format_small(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
-MID = ((24, 2), (40, 4), (64, 8), (32, 8), (48, 2), (64, 4))  # (samples, dp) of the mid steps, cycled by seed
+MID = ((24, 2), (40, 4), (32, 8), (48, 2), (32, 4), (48, 8))  # (samples, dp) of the mid steps, cycled by seed
 
 
 def mid_cases(families: list[str], cost, seeds: int = 3, time_limit: float = 20.0) -> list[dict]:

@@ -53,13 +53,14 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .padded_levels import level_plans, split_to_count
+from .padded_levels import VOLUME_POWERS, level_plans, split_to_count, volume_cut
 from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
 MAX_EVALS = 12    # K values packed per step by the min-max walk
 DEEP = 2          # the best K searched with every move of padded_search.py
+VOLUME_MAX_SAMPLES = 64  # steps this small also start the deep search from padded_levels.volume_cut
 
 
 class PaddedSamples(NamedTuple):
@@ -279,11 +280,11 @@ def _walk(srt: _Sorted, K0: int, dp: int, align: int, caps: tuple, pm: float,
         m = min(n, dp * K)
         got = _bins_at(srt, m, dp, K, caps, pm, sync)
         t = float("inf") if got is None else got.time
+        before = [x for x in tried.values() if np.isfinite(x)]  # the K tried before this one
         tried[K] = t
         if got is not None:
             found[K] = got
-        finite = [x for x in tried.values() if np.isfinite(x)]
-        if np.isfinite(t) and len(finite) > 1 and t > min(finite) * (1 - 1e-12):
+        if np.isfinite(t) and before and t > min(before) * (1 - 1e-12):
             worse += 1
         elif np.isfinite(t):
             worse = 0
@@ -319,9 +320,14 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
         if got is not None and got.time < tried.get(K, float("inf")):
             tried[K], found[K] = got.time, got
     for K in sorted(found, key=lambda k: tried[k])[:DEEP]:  # every move for the best few K
-        got = _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=found[K].bounds, deep=True)
-        if got is not None and got.time < tried[K]:
-            tried[K], found[K] = got.time, got
+        starts = [found[K].bounds]
+        if n <= VOLUME_MAX_SAMPLES and sync == "micro":
+            starts += [volume_cut(srt, min(n, dp * K), caps, bound, p) for p in VOLUME_POWERS]
+        for start in starts:
+            got = None if start is None else _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=start,
+                                                      deep=True)
+            if got is not None and got.time < tried[K]:
+                tried[K], found[K] = got.time, got
     for K, t in lv.times.items():  # the DP's predicted time where nothing better was packed
         tried.setdefault(K, t)
     best_t = min(tried[k] for k in found)
