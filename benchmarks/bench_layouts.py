@@ -14,13 +14,19 @@ padding and balance together). A second table draws small steps (12 samples of e
 (``benchmarks/padded_optimum.py``; ``opt`` may use placeholders anywhere, ``opt_full`` none where
 the samples suffice — the planner's contract under ``short_step``) and that optimum with
 LB_gran: how far the plan is from the best plan, and how far the bound is from physics; every
-step is listed with its K and the optima's. Planners (1D rows):
+step is listed with its K and the optima's. A third table takes mid steps (~24–50 samples of each
+family, dp 2–8, ``MID``) beyond the exhaustive search and compares the plan with the exact optimum
+of ``benchmarks/padded_exact.py`` (a MILP, ``--mid-limit`` seconds per solve, default 20):
+plan/opt (the best plan known), plan/dual (the solver's lower bound: an upper bound on how far
+the plan can be from the optimum), opt/LB_gran (the bound's slack), K vs K_opt and how many
+solves proved optimality. Planners (1D rows):
 microplan ``layout="padded"``, NeMo-RL's sorted buckets, fixed micro_batch_size (verl/OpenRLHF
 static); 2D rows ([n, max prompt + max response]): microplan ``layout="padded-2d"`` vs UniRL's 2D
 FFD. ``microplan-varlen`` (the varlen plan, scored in varlen cost) is the reference a padded
 layout gives up. Cost: the ~7B dense model of bench_planners (metrics.dense_7b_cost).
 
-Run: ``python -m benchmarks.bench_layouts [--quick]``. Prints the table and writes
+Run: ``python -m benchmarks.bench_layouts [--quick] [--mid-seeds 3] [--mid-limit 20]`` (~4 minutes with
+``--quick`` on 2 shared cores, most of it the mid table's solves). Prints the tables and writes
 ``benchmarks/results/layouts-<date>-<host>.json``.
 """
 

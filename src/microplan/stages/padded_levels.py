@@ -22,6 +22,12 @@ This module plans *contiguous slots*: slot s takes a segment of the samples sort
 3. Levels: every distinct run cost when there are at most ``EXACT_LEVELS`` (small steps), else
    ``GRID_LEVELS`` quantiles of them.
 
+4. Volume cuts (``volume_cut``, steps of at most 64 samples): exactly dp·K runs minimising
+   Σ (run cost)^p, a DP over (runs, end). Its slots need not be contiguous: p = 0.5 favours a
+   few costly runs beside many cheap ones (mid-length pairs that join the longest singles in
+   slot 0 while the short tail is cut fine), p = 1.5 evens the runs out. ``padded.py`` starts
+   the deep search from both at its two best K.
+
 Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-run of a greedy
 run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
 most it: ``assign.arrange`` does no worse than the DP's slots). Not exact: an optimal plan's
