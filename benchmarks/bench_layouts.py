@@ -14,13 +14,19 @@ padding and balance together). A second table draws small steps (12 samples of e
 (``benchmarks/padded_optimum.py``; ``opt`` may use placeholders anywhere, ``opt_full`` none where
 the samples suffice — the planner's contract under ``short_step``) and that optimum with
 LB_gran: how far the plan is from the best plan, and how far the bound is from physics; every
-step is listed with its K and the optima's. Planners (1D rows):
+step is listed with its K and the optima's. A third table takes mid steps (~24–50 samples of each
+family, dp 2–8, ``MID``) beyond the exhaustive search and compares the plan with the exact optimum
+of ``benchmarks/padded_exact.py`` (a MILP, ``--mid-limit`` seconds per solve, default 20):
+plan/opt (the best plan known), plan/dual (the solver's lower bound: an upper bound on how far
+the plan can be from the optimum), opt/LB_gran (the bound's slack), K vs K_opt and how many
+solves proved optimality. Planners (1D rows):
 microplan ``layout="padded"``, NeMo-RL's sorted buckets, fixed micro_batch_size (verl/OpenRLHF
 static); 2D rows ([n, max prompt + max response]): microplan ``layout="padded-2d"`` vs UniRL's 2D
 FFD. ``microplan-varlen`` (the varlen plan, scored in varlen cost) is the reference a padded
 layout gives up. Cost: the ~7B dense model of bench_planners (metrics.dense_7b_cost).
 
-Run: ``python -m benchmarks.bench_layouts [--quick]``. Prints the table and writes
+Run: ``python -m benchmarks.bench_layouts [--quick] [--mid-seeds 3] [--mid-limit 20]`` (~4 minutes with
+``--quick`` on 2 shared cores, most of it the mid table's solves). Prints the tables and writes
 ``benchmarks/results/layouts-<date>-<host>.json``.
 """
 
@@ -45,6 +51,7 @@ from benchmarks.bench_planners import (FAMILIES, SPG, _agg, _mw, bench_args, gro
 from benchmarks.bench_planners import COLUMNS as _PLANNER_COLUMNS  # noqa: E402
 from benchmarks.bench_planners import format_table as _format_table  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, from_microplan, padded_step_metrics, step_metrics  # noqa: E402
+from benchmarks.padded_exact import padded_exact  # noqa: E402
 from benchmarks.padded_optimum import padded_optimum  # noqa: E402
 from microplan.stages.padded_bound import padded_lower_bound  # noqa: E402
 from microplan.traces import generate  # noqa: E402
@@ -201,8 +208,58 @@ def format_small(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+MID = ((24, 2), (40, 4), (32, 8), (48, 2), (32, 4), (48, 8))  # (samples, dp) of the mid steps, cycled by seed
+
+
+def mid_cases(families: list[str], cost, seeds: int = 3, time_limit: float = 20.0) -> list[dict]:
+    """Mid-size steps (a family's step of ~24–64 samples, dp 2–8, ``MID`` cycled by family and seed):
+    microplan's padded plan vs the exact optimum of ``benchmarks/padded_exact.py`` (no
+    placeholders where the samples suffice: the planner's contract), solved within ``time_limit``
+    seconds. ``opt`` is the best plan known (the solver's, or the planner's when the solver stops
+    short); ``dual`` the solver's lower bound (valid for every plan): plan/dual bounds plan/optimum."""
+    rows = []
+    for f, fam in enumerate(families):
+        _, cap, _ = FAMILIES[fam]
+        for seed in range(seeds):
+            n, dp = MID[(f + seed) % len(MID)]
+            b = make_step(fam, dp, -(-n // dp), seed)
+            lens = np.asarray(b.seq_lens)
+            plan, dt = _plan_microplan(mp.Batch(lens.tolist()), dp, cap, cost, "padded")
+            got = padded_step_metrics(plan, lens, dp=dp, cap=cap, cost=cost).lockstep
+            ex = padded_exact(lens, dp=dp, cap=cap, cost=cost, placeholders=False, time_limit=time_limit, upper=got)
+            opt, K_opt = (ex.time, ex.K) if ex.time <= got else (got, len(plan[0]))
+            bound = padded_lower_bound(lens, dp=dp, cap=cap, cost=cost).time
+            rows.append(dict(family=fam, seed=seed, dp=dp, n=int(lens.size), K=len(plan[0]), K_opt=K_opt,
+                             proved=bool(ex.proved), plan_opt=got / opt, opt_bound=opt / bound,
+                             plan_dual=got / max(ex.bound, bound), dual_bound=max(ex.bound, bound) / bound,
+                             solve_s=ex.seconds, ms=dt * 1e3))
+    return rows
+
+
+def format_mid(rows: list[dict]) -> str:
+    """Per family (median/worst), then every step."""
+    cols = (("plan/opt", "plan_opt"), ("plan/dual", "plan_dual"), ("opt/LB_gran", "opt_bound"))
+    out = [f"{'family':<20}{'cases':>6}" + "".join(f"{c:>16}" for c, _ in cols) + f"{'K=K_opt':>9}{'proved':>8}",
+           "-" * 91]
+    groups = list(group_rows(rows, ("family",)).items()) + [(("all",), rows)]
+    for (fam,), rs in groups:
+        out.append(f"{fam:<20}{len(rs):>6}" + "".join(f"{_mw(_agg([r[k] for r in rs]), '.4f'):>16}" for _, k in cols)
+                   + f"{np.mean([r['K'] == r['K_opt'] for r in rs]):>9.0%}{sum(r['proved'] for r in rs):>5}/{len(rs)}")
+    out += ["", f"{'family':<20}{'seed':>5}{'dp':>4}{'n':>4}{'K':>4}{'K_opt':>6}{'plan/opt':>10}{'plan/dual':>10}"
+            f"{'opt/LB':>8}{'proved':>7}{'solve s':>8}{'plan ms':>8}"]
+    out += [f"{r['family']:<20}{r['seed']:>5}{r['dp']:>4}{r['n']:>4}{r['K']:>4}{r['K_opt']:>6}{r['plan_opt']:>10.4f}"
+            f"{r['plan_dual']:>10.4f}{r['opt_bound']:>8.4f}{'yes' if r['proved'] else 'no':>7}{r['solve_s']:>8.1f}"
+            f"{r['ms']:>8.0f}" for r in rows]
+    return "\n".join(out)
+
+
 def main(argv: list[str] | None = None) -> dict:
-    args, dps, seeds = bench_args(argv, __doc__, list(PLANNERS), (8, 16, 32))
+    import argparse
+    ap = argparse.ArgumentParser(add_help=False)
+    ap.add_argument("--mid-seeds", type=int, default=3, help="mid-size steps per family (0: no mid table)")
+    ap.add_argument("--mid-limit", type=float, default=20.0, help="seconds per exact solve of a mid step")
+    mid_args, rest = ap.parse_known_args(argv)
+    args, dps, seeds = bench_args(rest, __doc__, list(PLANNERS), (8, 16, 32))
     cost = dense_7b_cost()
     rows = run_grid(run_case, args.families, dps, seeds, cost, args.planners)
     summary = summarise(rows)
@@ -215,13 +272,20 @@ def main(argv: list[str] | None = None) -> dict:
     print("\nsmall steps (12 samples, dp 2-3): microplan layout='padded' vs the exhaustive optimum (opt: placeholders "
           "anywhere; opt_full: none where the samples suffice, the planner's contract); median/worst")
     print(format_small(small))
+    fams = [f for f in args.families if f in FAMILIES]
+    mid = mid_cases(fams, cost, seeds=mid_args.mid_seeds, time_limit=mid_args.mid_limit) if mid_args.mid_seeds else []
+    if mid:
+        print(f"\nmid steps (~24-64 samples, dp 2-8): microplan layout='padded' vs the exact optimum (MILP, "
+              f"benchmarks/padded_exact.py, {mid_args.mid_limit:g} s per solve; opt: the best plan known, proved or "
+              "not; dual: the solver's lower bound); median/worst")
+        print(format_mid(mid))
     print("\ntargets (microplan, layout='padded'):")
     for line in check_targets(summary) + check_small(small):
         print("  " + line)
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
                   cost=cost.to_dict(), families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
                   dp=list(dps), seeds=list(seeds), targets=TARGETS, labels=PLANNERS, summary=summary, rows=rows,
-                  small=small)
+                  small=small, mid=mid, mid_limit_s=mid_args.mid_limit)
     if not args.no_write:
         stem = save_json("layouts", result)
         print(f"\nwrote {stem}.json")

@@ -23,7 +23,9 @@ K: the min-max walk from K's lower bound (padded tokens, the vision cap) up whil
 improves (one step of patience, at most ``MAX_EVALS`` packings), plus the level DP's three best
 K over the whole range up to one sample per bin (its pass stops once K·per_micro plus the
 step's body bound passes the best time); K is chosen on boundary moves, then the ``DEEP`` best
-K get every move of ``padded_search.py`` and the lowest predicted time wins. Every K tried is
+K get every move of ``padded_search.py`` — on steps of at most ``VOLUME_MAX_SAMPLES`` samples
+also from the volume cuts of ``padded_levels.py``, whose slots may interleave in the sorted
+order — and the lowest predicted time wins. Every K tried is
 recorded in the step's :class:`KChoice` (the DP's own prediction where it was not packed).
 Static batching (``micro_batch_size``) runs the same with a count cap and K fixed by it.
 
@@ -36,9 +38,16 @@ the max response over the run, exactly what ``pack_micro`` builds. Measured
 granularity-aware bound of ``padded_bound.py`` (the min-max walk alone: 1.046–1.054×; worst
 1.116 -> 1.110) and 1.043–1.064× the varlen lower bound; on 12-sample steps (48, dp 2–3) within
 1.0056 of the exhaustive optimum without placeholders in every step (median 1.0000; the walk
-alone: median 1.027, worst 1.20, stopping below the optimum's K). NeMo-RL's sorted buckets pad
+alone: median 1.027, worst 1.20, stopping below the optimum's K); on mid steps (24–50 samples,
+dp 2–8, 12 steps) within 1.0066 of the optimum where the exact solver proves it
+(benchmarks/padded_exact.py, 5 of 12 in 20 s; plan/its dual bound median 1.0071, worst 1.098
+on an unproved dp-8 step), while the best plan known is 1.02–1.22× the bound (median 1.060):
+the gap to the bound is mostly the bound's slack. NeMo-RL's sorted buckets pad
 1.18–1.22× (1.21–1.32× the varlen bound); a fixed micro_batch_size runs 2.8–4.5× it.
-Trade-off: the DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
+Trade-off: the volume cuts (and the walk, which stopped two K after the first packing until
+issue 20's mid table showed it) take mid steps' plan time from 29 to 70 ms (median, same run;
+large steps 32 -> 33 ms) for 0.2% less lockstep time (median; up to 3.7%, never more).
+The DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
 quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
 0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
 """
@@ -53,13 +62,14 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .padded_levels import level_plans, split_to_count
+from .padded_levels import VOLUME_POWERS, level_plans, split_to_count, volume_cut
 from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
 MAX_EVALS = 12    # K values packed per step by the min-max walk
 DEEP = 2          # the best K searched with every move of padded_search.py
+VOLUME_MAX_SAMPLES = 64  # steps this small also start the deep search from padded_levels.volume_cut
 
 
 class PaddedSamples(NamedTuple):
@@ -279,11 +289,11 @@ def _walk(srt: _Sorted, K0: int, dp: int, align: int, caps: tuple, pm: float,
         m = min(n, dp * K)
         got = _bins_at(srt, m, dp, K, caps, pm, sync)
         t = float("inf") if got is None else got.time
+        before = [x for x in tried.values() if np.isfinite(x)]  # the K tried before this one
         tried[K] = t
         if got is not None:
             found[K] = got
-        finite = [x for x in tried.values() if np.isfinite(x)]
-        if np.isfinite(t) and len(finite) > 1 and t > min(finite) * (1 - 1e-12):
+        if np.isfinite(t) and before and t > min(before) * (1 - 1e-12):
             worse += 1
         elif np.isfinite(t):
             worse = 0
@@ -319,9 +329,14 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
         if got is not None and got.time < tried.get(K, float("inf")):
             tried[K], found[K] = got.time, got
     for K in sorted(found, key=lambda k: tried[k])[:DEEP]:  # every move for the best few K
-        got = _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=found[K].bounds, deep=True)
-        if got is not None and got.time < tried[K]:
-            tried[K], found[K] = got.time, got
+        starts = [found[K].bounds]
+        if n <= VOLUME_MAX_SAMPLES and sync == "micro":
+            starts += [volume_cut(srt, min(n, dp * K), caps, bound, p) for p in VOLUME_POWERS]
+        for start in starts:
+            got = None if start is None else _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=start,
+                                                      deep=True)
+            if got is not None and got.time < tried[K]:
+                tried[K], found[K] = got.time, got
     for K, t in lv.times.items():  # the DP's predicted time where nothing better was packed
         tried.setdefault(K, t)
     best_t = min(tried[k] for k in found)

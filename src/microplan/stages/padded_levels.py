@@ -22,6 +22,12 @@ This module plans *contiguous slots*: slot s takes a segment of the samples sort
 3. Levels: every distinct run cost when there are at most ``EXACT_LEVELS`` (small steps), else
    ``GRID_LEVELS`` quantiles of them.
 
+4. Volume cuts (``volume_cut``, steps of at most 64 samples): exactly dp·K runs minimising
+   Σ (run cost)^p, a DP over (runs, end). Its slots need not be contiguous: p = 0.5 favours a
+   few costly runs beside many cheap ones (mid-length pairs that join the longest singles in
+   slot 0 while the short tail is cut fine), p = 1.5 evens the runs out. ``padded.py`` starts
+   the deep search from both at its two best K.
+
 Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-run of a greedy
 run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
 most it: ``assign.arrange`` does no worse than the DP's slots). Not exact: an optimal plan's
@@ -38,8 +44,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["LevelPlans", "level_plans", "split_to_count"]
+from .padded_search import _fit_mask
 
+__all__ = ["LevelPlans", "level_plans", "split_to_count", "volume_cut", "VOLUME_POWERS"]
+
+VOLUME_POWERS = (0.5, 1.5)  # volume_cut minimises Σ (run cost)^p: p < 1 favours a few costly runs
+#                            beside many cheap ones, p > 1 evens the runs out (1: the padded volume)
 EXACT_LEVELS = 200   # all distinct run costs are the level set when there are at most this many
 GRID_LEVELS = 32     # else this many quantiles of them (64, or a refined grid: no better, 1.4-3x slower)
 PATIENCE = 4         # slots tried past the best K before the pass stops (or half the best K, if more)
@@ -186,3 +196,33 @@ def level_plans(srt, caps: tuple, bound: np.ndarray, *, dp: int, Ks: list[int], 
     times = {K: K * per_micro + float(gs[K][0]) for K in Ks if K < len(gs)}
     finite = sorted((t, K) for K, t in times.items() if np.isfinite(t))
     return LevelPlans(times, {K: _runs_of(srt, T, layers, K, dp, bound, caps) for _, K in finite[:keep]})
+
+
+def volume_cut(srt, m: int, caps: tuple, bound: np.ndarray, power: float) -> list[int] | None:
+    """Exactly m runs of the sorted samples minimising Σ (run cost)^power, within the caps (a DP
+    over (runs, end), one vectorised update per start: O(n·m·k_max)); None if no cut has m runs.
+    Unlike the slot levels it does not make slots contiguous: a start for ``padded_search.py``."""
+    n = srt.n
+    if not 1 <= m <= n:
+        return None
+    f = np.full((m + 1, n + 1), np.inf)
+    f[0, 0] = 0.0
+    arg = np.zeros((m + 1, n + 1), dtype=np.int64)
+    scale = float(srt.run_cost(np.array([0]), np.array([1]))[0]) or 1.0
+    for a in range(n):
+        ks = np.arange(1, int(bound[a]) + 1)
+        ks = ks[_fit_mask(srt, np.full(ks.size, a), a + ks, caps)]
+        if ks.size == 0 or not np.isfinite(f[:m, a]).any():
+            continue
+        v = f[:m, a, None] + (srt.run_cost(np.full(ks.size, a), ks) / scale) ** power  # [runs so far, k]
+        cur = f[1:, a + ks]
+        better = v < cur
+        f[1:, a + ks] = np.where(better, v, cur)
+        arg[1:, a + ks] = np.where(better, a, arg[1:, a + ks])
+    if not np.isfinite(f[m, n]):
+        return None
+    b, j = [n], m
+    while j:
+        b.append(int(arg[j, b[-1]]))
+        j -= 1
+    return b[::-1]
