@@ -36,6 +36,7 @@ if __package__ in (None, ""):  # run as a script: make ``benchmarks`` importable
 
 import microplan as mp  # noqa: E402
 from microplan.traces import generate  # noqa: E402
+from microplan.stages import local as local_stage  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
 from benchmarks.metrics import dense_7b_cost, dense_7b_forward_cost, from_microplan, step_metrics  # noqa: E402
@@ -79,17 +80,22 @@ def verl_split_owners(seq_lens: np.ndarray, dp: int) -> np.ndarray:
     return own
 
 
-def _microplan_local(pin: str) -> Runner:
+def _microplan_local(pin: str, repair: bool = True) -> Runner:
     """Local placement: samples pinned to ranks by verl's driver split or by round robin (arrival
     order); the row also gets ``lock_split``, lockstep over the bound the split allows
-    (``microplan.stats.split_lower_bound``, from the plan's own stats)."""
+    (``microplan.stats.split_lower_bound``, from the plan's own stats). ``repair=False``: the local
+    planner without its per-rank repair (``stages.local.REPAIR``), for its time and balance side by side."""
     def run(batch, dp, cap, cost):
         n = batch.num_samples
         own = verl_split_owners(batch.seq_lens, dp) if pin == "verl-split" else np.arange(n) % dp
         cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, placement="local")
-        t = time.perf_counter()
-        p = mp.plan(batch.with_rank_of(own), cfg)
-        dt = time.perf_counter() - t
+        saved, local_stage.REPAIR = local_stage.REPAIR, repair
+        try:
+            t = time.perf_counter()
+            p = mp.plan(batch.with_rank_of(own), cfg)
+            dt = time.perf_counter() - t
+        finally:
+            local_stage.REPAIR = saved
         st = p.stats.steps[0]
         return from_microplan(p), dt, {"lock_split": st.lockstep_time / st.split_lower_bound}
     return run
@@ -118,6 +124,8 @@ PLANNERS: dict[str, tuple[Runner, str]] = {
                         f"microplan {mp.__version__} placement='local', samples pinned by verl's driver split"),
     "microplan-local-rr": (_microplan_local("round-robin"),
                            f"microplan {mp.__version__} placement='local', samples pinned round robin"),
+    "microplan-local-norepair": (_microplan_local("verl-split", repair=False),
+                                 f"microplan {mp.__version__} placement='local', verl's split, without the per-rank repair"),
     **{name: (_peer(fn), label) for name, (fn, label) in PEERS.items()},
     "microplan-forward": (_microplan_forward, f"microplan {mp.__version__} plan_forward (forward cap)"),
     "verl-forward": (_peer(plan_verl), "verl (2026-08) log-prob pass: rearrange_micro_batches at the forward cap"),

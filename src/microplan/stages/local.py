@@ -50,10 +50,10 @@ without: bimodal dp 128 seed 0 was K = 4 at 1.0159, now K = 3 at 1.0007; an anne
 over every rank's packing, benchmarks/local_reference.py, finds 1.0002 at K = 3 from the old
 packing and nothing better than the plan's 1.0007 from the new one, so the gap was the plan's,
 not the bound's); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the global
-bound, are the split's and no local plan can recover them). CPU time at dp 128 side by side in
-one process with ``REPAIR`` off (the code before step 4), 48 cases, min of 2: 1.19× in all,
-1.23× over the verl-split cases, 0.48–2.06× per case (K = 10 steps of 64 samples per GPU pay
-~0.5 ms of differencing per rank; coarse steps end the K walk sooner).
+bound, are the split's and no local plan can recover them). CPU time at dp 128 with ``REPAIR`` on / off side by side
+(``bench_planners --planners microplan-local microplan-local-norepair``, 24 cases): 1.17× summed,
+0.50–2.71× per case (steps of 64 samples per GPU pay for the differencing; coarse steps end the
+K walk sooner).
 """
 
 from __future__ import annotations
