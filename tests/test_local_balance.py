@@ -25,6 +25,7 @@ from microplan.stages.local_refine import RankBins, polish_local  # noqa: E402
 from microplan.stats import split_lower_bound  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 from reference import replace, sample_costs, step_times  # noqa: E402
+from _local_cases import bench_local_plan  # noqa: E402
 from test_local import _plan, local_inputs  # noqa: E402
 
 
@@ -101,15 +102,7 @@ def test_worst_bench_instance_within_one_percent_of_the_split_bound():
     """bench_planners' worst local case before the lift (bimodal, dp 32, seed 3, verl's split):
     one rank holds three 16k-token samples among 16 and forces slot 0 up; the other ranks now load
     slot 0 to match and empty their later slots (was 1.0206 of the split's bound, now ~1.007)."""
-    from benchmarks.bench_planners import FAMILIES, SPG, make_step, verl_split_owners
-    from benchmarks.metrics import dense_7b_cost
-    seed, dp = 3, 32
-    batch = make_step("bimodal", dp, SPG[seed % len(SPG)], seed)
-    batch = batch.with_rank_of(verl_split_owners(batch.seq_lens, dp))
-    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=FAMILIES["bimodal"][1], cost=dense_7b_cost(),
-                        placement="local")
-    plan = mp.plan(batch, cfg)
-    plan.validate()
+    plan, batch, cfg = bench_local_plan("bimodal", 32, 3)
     st_ = plan.stats.steps[0]
     assert st_.lockstep_time <= 1.01 * st_.split_lower_bound, st_.lockstep_time / st_.split_lower_bound
     assert mp.plan(batch, cfg).fingerprint() == plan.fingerprint()

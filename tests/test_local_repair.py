@@ -22,6 +22,7 @@ import microplan as mp  # noqa: E402
 from microplan.stages.local import _repair  # noqa: E402
 from microplan.stages.local_refine import differencing_bins, overshoot, repartition_pairs  # noqa: E402
 from microplan.stages.refine import refine_bins  # noqa: E402
+from _local_cases import bench_local_plan  # noqa: E402
 
 
 def _rank(seed: int, K: int, per: int, cap: int):
@@ -90,15 +91,7 @@ def test_worst_dp128_instance_meets_the_split_bound():
     """bench_planners' worst local case at dp 128 (bimodal, verl's split, seed 0): 1.0159 of the
     split's bound at K = 4 before the repair; an annealing search (benchmarks/local_reference.py)
     found 1.0002 at K = 3, and the planner now finds K = 3 within 0.5%."""
-    from benchmarks.bench_planners import FAMILIES, SPG, make_step, verl_split_owners
-    from benchmarks.metrics import dense_7b_cost
-    seed, dp = 0, 128
-    batch = make_step("bimodal", dp, SPG[seed % len(SPG)], seed)
-    batch = batch.with_rank_of(verl_split_owners(batch.seq_lens, dp))
-    cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=FAMILIES["bimodal"][1], cost=dense_7b_cost(),
-                        placement="local")
-    plan = mp.plan(batch, cfg)
-    plan.validate()
+    plan, batch, cfg = bench_local_plan("bimodal", 128, 0)
     st_ = plan.stats.steps[0]
     assert st_.micro_count == 3
     assert st_.lockstep_time <= 1.005 * st_.split_lower_bound, st_.lockstep_time / st_.split_lower_bound

@@ -38,6 +38,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..cost.models import CostModel, FlopsCost, bin_costs
+from .lockstep import apply_change
 
 __all__ = ["hedge_scenarios", "hedge_lockstep"]
 
@@ -108,18 +109,7 @@ def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs
         if out is bin_of:
             out = bin_of.copy()
         i, b, j = got
-        src = int(out[i])
-        for smp, s0, d0 in [(i, src, b)] + ([(j, b, src)] if j >= 0 else []):
-            out[smp] = d0
-            A[:, s0] -= sc[:, smp]
-            A[:, d0] += sc[:, smp]
-            T[s0] -= lf[smp]
-            T[d0] += lf[smp]
-            cnt[s0] -= 1
-            cnt[d0] += 1
-            if X is not None:
-                X[s0] -= extra[0][smp]  # type: ignore[index]
-                X[d0] += extra[0][smp]  # type: ignore[index]
+        apply_change(i, int(out[i]), b, j, out, A, sc, T, lf, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
     return out
 
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from ..cost.models import CostModel, bin_costs
 
-__all__ = ["refine_lockstep"]
+__all__ = ["refine_lockstep", "apply_change"]
 
 _RECEIVERS = 24   # receiver bins examined per change: most headroom overall, and lightest of the slot
 STOP_GAP = 1e-3  # stop once Σ slot maxima is this close to its floor (the mean load per rank)
@@ -94,20 +94,29 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             continue
         stuck.clear()
         i, b, j = got
-        for smp, src, dst in [(i, a, b)] + ([(j, b, a)] if j >= 0 else []):
-            bin_of[smp] = dst
-            A[src] -= costs[smp]
-            A[dst] += costs[smp]
-            T[src] -= lens_f[smp]
-            T[dst] += lens_f[smp]
-            cnt[src] -= 1
-            cnt[dst] += 1
-            if X is not None:
-                X[src] -= extra[0][smp]  # type: ignore[index]
-                X[dst] += extra[0][smp]  # type: ignore[index]
+        apply_change(i, a, b, j, bin_of, A, costs, T, lens_f, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
         for x in (a, b):
             C[x] = c_of(A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
     return bin_of
+
+
+def apply_change(i: int, a: int, b: int, j: int, bin_of: np.ndarray, A: np.ndarray, costs: np.ndarray,
+                 T: np.ndarray, lens: np.ndarray, cnt: np.ndarray,
+                 extra: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+    """Move sample i from bin a to bin b (and, for a swap, sample j >= 0 from b to a), keeping the bins'
+    sums in place: ``A[..., bin]`` additive costs (``costs[..., sample]``; a leading scenario axis is
+    allowed), ``T`` tokens, ``cnt`` samples, ``extra``: (per-bin totals, per-sample amounts)."""
+    for smp, src, dst in [(i, a, b)] + ([(j, b, a)] if j >= 0 else []):
+        bin_of[smp] = dst
+        A[..., src] -= costs[..., smp]
+        A[..., dst] += costs[..., smp]
+        T[src] -= lens[smp]
+        T[dst] += lens[smp]
+        cnt[src] -= 1
+        cnt[dst] += 1
+        if extra is not None:
+            extra[0][src] -= extra[1][smp]
+            extra[0][dst] += extra[1][smp]
 
 
 def _rest_of_slot(by_slot_m: np.ndarray, ord_m: np.ndarray, col: np.ndarray, recv: np.ndarray) -> np.ndarray:
