@@ -45,8 +45,9 @@ on an unproved dp-8 step), while the best plan known is 1.02–1.22× the bound 
 the gap to the bound is mostly the bound's slack. NeMo-RL's sorted buckets pad
 1.18–1.22× (1.21–1.32× the varlen bound); a fixed micro_batch_size runs 2.8–4.5× it.
 Trade-off: the volume cuts (and the walk, which stopped two K after the first packing until
-issue 20's mid table showed it) take mid steps' plan time from 29 to 70 ms (median, same run;
-large steps 32 -> 33 ms) for 0.2% less lockstep time (median; up to 3.7%, never more).
+issue 20's mid table showed it) cost plan time on small steps: 100 ms median, 909 ms worst on the
+mid steps (``bench_layouts --quick``, ``mid`` rows), for the interleaved slots no boundary move
+reaches (tests/test_padded_bound.py: a 24-sample step 1.037 -> 1.000 of the optimum).
 The DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
 quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
 0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
