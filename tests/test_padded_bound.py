@@ -113,16 +113,25 @@ def test_slots_need_not_be_contiguous():
     assert got <= opt.time * 1.005
 
 
-@given(instances(max_n=9))
-def test_level_plans_are_achievable_and_full(case):
+def _sorted_case(case):
+    """(the planner's sorted view of a padded instance, lens, dp, cap, cost, mult), or None when a sample
+    padded to its multiple breaks the cap (no plan exists)."""
     from microplan.footprint import Padding
     from microplan.stages import padded as P
-    from microplan.stages.padded_levels import level_plans
     lens, dp, cap, cost, mult = case
     if int((-(-lens // mult) * mult).max()) > cap:
-        return
+        return None
     s = P.PaddedSamples(lens.astype(np.int64), None, None, None, Padding(layout="padded", sample_multiple=mult))
-    srt = P._Sorted(s, cost)
+    return P._Sorted(s, cost), lens, dp, cap, cost, mult
+
+
+@given(instances(max_n=9))
+def test_level_plans_are_achievable_and_full(case):
+    from microplan.stages import padded as P
+    from microplan.stages.padded_levels import level_plans
+    if (got := _sorted_case(case)) is None:
+        return
+    srt, lens, dp, cap, cost, mult = got
     caps = (cap, None, None)
     bound = P._cap_bound(srt, *caps)
     Ks = list(range(1, lens.size // dp + 1))
@@ -155,13 +164,10 @@ def test_heads_the_longest_samples_force():
 def test_the_min_max_walk_stops_only_after_two_steps_without_improvement(case):
     # the walk counted a K as "worse" when it was merely the best so far (it compared the new time
     # with a minimum that included itself), so it stopped two K after the first that packed
-    from microplan.footprint import Padding
     from microplan.stages import padded as P
-    lens, dp, cap, cost, mult = case
-    if int((-(-lens // mult) * mult).max()) > cap:
+    if (got := _sorted_case(case)) is None:
         return
-    s = P.PaddedSamples(lens.astype(np.int64), None, None, None, Padding(layout="padded", sample_multiple=mult))
-    srt = P._Sorted(s, cost)
+    srt, lens, dp, cap, cost, mult = got
     tried, _ = P._walk(srt, 1, dp, 1, (cap, None, None), float(cost.per_micro), "micro")
     Ks = sorted(tried)
     last = Ks[-1]

@@ -152,17 +152,19 @@ def _hedged(bin_of: np.ndarray, known: Slots | None, lens: np.ndarray, costs: np
             D: int, K: int, cap: int, cost: CostModel, extra: Extra | None) -> Slots:
     """The packing after the hedged lockstep pass (``hedge.py``), with its costs and the slot grid it
     kept (the layout re-uses that grid: re-arranging by the point estimate would undo the hedge)."""
-    nb = D * K
     if known is None:
-        mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens,
-                       minlength=nb), np.bincount(bin_of, minlength=nb))
+        mc = bin_costs(cost, *_bin_sums(bin_of, lens, costs, D * K))
         known = Slots(bin_of, mc, arrange(mc, D, K))
     out = hedge_lockstep(bin_of, known.grid, lens, costs, scen, cap, extra=extra)
     if out is bin_of:
         return known
-    mc = bin_costs(cost, np.bincount(out, weights=costs, minlength=nb), np.bincount(out, weights=lens, minlength=nb),
-                   np.bincount(out, minlength=nb))
-    return Slots(out, mc, known.grid)
+    return Slots(out, bin_costs(cost, *_bin_sums(out, lens, costs, D * K)), known.grid)
+
+
+def _bin_sums(bin_of: np.ndarray, lens: np.ndarray, costs: np.ndarray, nb: int) -> tuple[np.ndarray, ...]:
+    """Each bin's Σ sample costs, Σ tokens and sample count (float64, float64, int64)."""
+    return (np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
+            np.bincount(bin_of, minlength=nb))
 
 
 def _pipeline_time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, *,
@@ -244,9 +246,7 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     bin_of = pack_at(lens, costs, m, D, K, cap, cost, extra=extra)
     if bin_of is None or cfg.sync != "micro":
         return bin_of
-    nb = D * K
-    additive, tokens, count = (np.bincount(bin_of, weights=costs, minlength=nb),
-                               np.bincount(bin_of, weights=lens, minlength=nb), np.bincount(bin_of, minlength=nb))
+    additive, tokens, count = _bin_sums(bin_of, lens, costs, D * K)
     mc = bin_costs(cost, additive, tokens, count)
     width = cfg.static_cp_size
     if width > 1:

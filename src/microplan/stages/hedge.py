@@ -79,9 +79,9 @@ def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs
     slot_of = np.empty(nb, dtype=np.int64)
     slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)
     out = bin_of
-    real = cnt > 0
-    floor = float(sum(bin_costs(m, A[s], T, cnt)[real].sum() + (nb - int(real.sum())) * float(m.per_micro)
-                      for s, m in enumerate(scenarios))) / D  # Σ_s of the mean load per rank: nothing beats it
+    empty = int(np.count_nonzero(cnt == 0))  # placeholders: per_micro each (the same in every scenario)
+    # F's floor: Σ_s of the mean load per rank; nothing beats it
+    floor = float(_costs(scenarios, A, T, cnt).sum() + S * empty * float(scenarios[0].per_micro)) / D
     for _ in range(max_iters if max_iters is not None else min(2 * K + 16, 64)):
         C = _costs(scenarios, A, T, cnt)
         by = C[:, grid.T]                                   # [S, K, D]
@@ -115,8 +115,7 @@ def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs
 
 def _costs(scenarios: tuple[CostModel, ...], A: np.ndarray, T: np.ndarray, cnt: np.ndarray) -> np.ndarray:
     """[S, bins] cost of every bin under every scenario; placeholders 0 (they never set a maximum)."""
-    C = np.stack([bin_costs(m, A[s], T, cnt) for s, m in enumerate(scenarios)])
-    return np.where(cnt > 0, C, 0.0)
+    return np.where(cnt > 0, _bin(scenarios, A, T, cnt), 0.0)
 
 
 def _receivers(a: int, m: int, C: np.ndarray, cnt: np.ndarray, slot_of: np.ndarray, slot_max: np.ndarray) -> np.ndarray:

@@ -73,7 +73,7 @@ from .assign import grid_time
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
 from .layout import StepLayout
-from .local_refine import RankBins, differencing_bins, overshoot, polish_local, repartition_pairs
+from .local_refine import RankBins, differencing_bins, others_max, overshoot, polish_local, repartition_pairs
 from .pack import bins_lower_bound, lpt_pack_wide, round_robin_pack
 from .padded import pack_padded_at
 from .refine import refine_bins
@@ -271,9 +271,7 @@ class _Profiles:
 
     def others(self, r: int) -> np.ndarray:
         """Per slot, the heaviest of every other rank."""
-        if self.P.shape[0] == 1:
-            return np.zeros(self.K)
-        return np.delete(self.P, self.index[r], axis=0).max(axis=0)
+        return others_max(self.P, self.index[r])
 
 
 def _repair(bins: np.ndarray, bal: np.ndarray, lens: np.ndarray, extra: tuple[np.ndarray, int] | None,

@@ -44,7 +44,7 @@ import numpy as np
 from ..cost.models import CostModel, bin_costs
 
 __all__ = ["polish_local", "RankBins", "STOP_GAP", "MAX_ATOMS", "differencing_bins", "repartition_pairs",
-           "overshoot"]
+           "overshoot", "others_max"]
 
 STOP_GAP = 1e-4  # a change must lower the step's lockstep time by this share of it
 MAX_ATOMS = 256  # ranks holding more atoms are not polished (fine granularity: LPT balances them)
@@ -84,7 +84,7 @@ def polish_local(ranks: dict[int, RankBins], grid: np.ndarray, cost: CostModel, 
         if not binding:
             break
         r = binding[0]
-        others = _others_max(prof, r)
+        others = others_max(prof, r)
         rb = ranks[r]._replace(bins=out.get(r, ranks[r].bins))
         got = _best_change(rb, grid[r], others, cost, cap, extra_cap, tol=STOP_GAP * obj)
         if got is None:
@@ -96,7 +96,7 @@ def polish_local(ranks: dict[int, RankBins], grid: np.ndarray, cost: CostModel, 
     return out
 
 
-def _others_max(prof: np.ndarray, r: int) -> np.ndarray:
+def others_max(prof: np.ndarray, r: int) -> np.ndarray:
     """Per slot, the maximum over every rank but r of the sorted profiles."""
     if prof.shape[0] == 1:
         return np.zeros(prof.shape[1])
@@ -280,7 +280,7 @@ def differencing_bins(costs: np.ndarray, lens: np.ndarray, targets: np.ndarray, 
 
 def overshoot(loads: np.ndarray, targets: np.ndarray) -> float:
     """Σ_k max(τ_k, k-th heaviest load): a rank's lockstep time against slot maxima ``targets``."""
-    return float(np.maximum(-np.sort(-loads), targets).sum())
+    return float(_objective(loads, targets))
 
 
 def repartition_pairs(bins: np.ndarray, costs: np.ndarray, lens: np.ndarray, targets: np.ndarray, cap: int, *,
