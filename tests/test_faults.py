@@ -128,6 +128,10 @@ def fault_suite(rank: int, world: int) -> list[dict[str, Any]]:
 
 
 def _unguarded(rank: int, world: int, stay_alive_s: float) -> tuple[str, float]:
+    # The case is a raise once the group is up: without this barrier the failing rank can exit while
+    # a peer is still inside gloo's connectFullMesh, which then waits on the dead rank's store/socket
+    # instead of failing (seen once in CI: rank 3 never reported within 30 s).
+    torch.distributed.barrier()
     t0 = time.perf_counter()
     if rank == BAD:
         if stay_alive_s:
