@@ -37,10 +37,16 @@ def test_int_ids_code_in_first_appearance_order(ids):
 
 @given(str_ids)
 def test_str_ids_code_in_first_appearance_order(ids):
-    want = reference_codes(ids)
     for form in (ids, np.array(ids, dtype=str)):
+        # a numpy unicode array drops trailing NULs ('\x00' -> ''): the batch keeps what it was given
+        given = ids if isinstance(form, list) else form.tolist()
         b = mp.Batch([3] * len(ids), rollout_ids=form)
-        assert b.rollout_codes.tolist() == want and b.rollout_ids == ids
+        assert b.rollout_codes.tolist() == reference_codes(given) and b.rollout_ids == given
+
+
+def test_str_ids_that_differ_only_by_nuls_stay_distinct():
+    b = mp.Batch([3, 3, 3], rollout_ids=["\x00", "", "\x00"])
+    assert b.rollout_codes.tolist() == [0, 1, 0] and b.num_rollouts == 2
 
 
 @given(st.lists(st.integers(0, 5), min_size=1, max_size=40), st.data())
