@@ -44,7 +44,7 @@ if __package__ in (None, ""):
 import microplan as mp  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
-from benchmarks.bench_planners import FAMILIES, SPG  # noqa: E402
+from benchmarks.bench_planners import FAMILIES, SPG, verl_split_owners  # noqa: E402
 from benchmarks.truths import LLAMA2_7B, measured_seconds, score, steps_of, truth  # noqa: E402
 
 WARMUP, SCORED, NOISE = 3, 3, 0.03
@@ -105,13 +105,17 @@ def informed_fit(records: list[tuple[float, float, float]], per_micro: float) ->
 
 def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
              spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False,
-             hedge: bool = True) -> dict:
+             hedge: bool = True, placement: str = "global") -> dict:
     """One run of ``warmup`` + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
     ``TRUTHS[truth_name]``) with timing noise ``noise``; ``informed``: also plan the scored steps
     with :func:`informed_fit` of the same records. The meter hedges (``CostMeter(hedge=...)``); each
     scored step is also planned on its point estimate alone (``attention_rel_sd=0``: "point"), from
-    the same records."""
+    the same records. ``placement="local"``: every step's samples pinned by verl's driver split
+    (``bench_planners.verl_split_owners``) and every plan made with ``placement="local"``."""
     max_len, cap, group = FAMILIES[family]
+
+    def config(cost) -> mp.PlanConfig:
+        return mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, placement=placement)
     slow, over, packed = TRUTHS[truth_name] if spec is None else spec
     machine = truth(slow, over, cap, packed=bool(packed))
     if packed == "causal":  # the dense kernel's unmasked path for a lone sample: attention·L²
@@ -121,23 +125,24 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
     rng = np.random.default_rng(seed)
     spg = SPG[seed % len(SPG)]
     steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=warmup + SCORED, seed=seed)
+    if placement == "local":
+        steps = [b.with_rank_of(verl_split_owners(b.seq_lens, dp)) for b in steps]
     out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
                      smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[], informed=[], point=[])
     records: list[tuple[float, float, float]] = []
     for s, batch in enumerate(steps):
         cost = meter.cost()
-        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost)
+        cfg = config(cost)
         plan = mp.plan(batch, cfg)
         if s >= warmup:
             sd = getattr(cost, "attention_rel_sd", 0.0)
             out["point"].append(score(mp.plan(batch, replace(cfg, cost=replace(cost, attention_rel_sd=0.0))), machine)
                                 if sd else score(plan, machine))
             if informed:
-                ref = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap,
-                                                   cost=informed_fit(records, machine.per_micro)))
+                ref = mp.plan(batch, config(informed_fit(records, machine.per_micro)))
                 out["informed"].append(score(ref, machine))
-            oracle = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=machine))
-            uncal = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=prior))
+            oracle = mp.plan(batch, config(machine))
+            uncal = mp.plan(batch, config(prior))
             out["metered"].append(score(plan, machine))
             out["oracle"].append(score(oracle, machine))
             out["uncal"].append(score(uncal, machine))
@@ -219,7 +224,7 @@ GRID_ATTENTION, GRID_OVERHEAD, GRID_NOISE = (1.2, 2.0, 3.0), (0.0, 0.05, 0.10), 
 
 
 def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tuple = GRID_NOISE,
-             hedge: bool = True) -> list[dict]:
+             hedge: bool = True, placement: str = "global") -> list[dict]:
     """Issue 20 item 2: metered − oracle lockstep/LB per cell of a grid of varlen truths (attention
     1.2-3x slower per FLOP, per-micro overhead 0-10 % of a cap-full micro-batch, 1-5 % noise), and
     the same gap for the informed estimator (the truth's form and per-micro overhead given)."""
@@ -230,7 +235,8 @@ def run_grid(seeds: range, families: list[str], warmup: int = WARMUP, noises: tu
                 for o in GRID_OVERHEAD:
                     for nz in noises:
                         rows = [run_case(fam, dp, seed, f"attn{a}/over{o}", spec=(a, o, False), noise=nz,
-                                         warmup=warmup, informed=True, hedge=hedge) for seed in seeds]
+                                         warmup=warmup, informed=True, hedge=hedge, placement=placement)
+                                for seed in seeds]
                         gap = np.array([m - q for r in rows for m, q in zip(r["metered"], r["oracle"])])
                         ref = np.array([m - q for r in rows for m, q in zip(r["informed"], r["oracle"])])
                         pt = np.array([m - q for r in rows for m, q in zip(r["point"], r["oracle"])])
@@ -273,21 +279,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--noise", type=float, nargs="*", default=list(GRID_NOISE), help="--grid: timing noises")
     ap.add_argument("--seeds", type=int, default=6, help="seeds per cell (default %(default)s; --quick: 2)")
     ap.add_argument("--no-hedge", action="store_true", help="--grid: CostMeter(hedge=False) in the loop")
+    ap.add_argument("--placement", choices=("global", "local"), default="global",
+                    help="--grid: plan with placement='local', samples pinned by verl's driver split")
     args = ap.parse_args(argv)
     seeds = range(2) if args.quick else range(args.seeds)
     if args.grid:
-        cells = run_grid(seeds, args.families, args.warmup, tuple(args.noise), hedge=not args.no_hedge)
+        cells = run_grid(seeds, args.families, args.warmup, tuple(args.noise), hedge=not args.no_hedge,
+                         placement=args.placement)
         print(f"CostMeter vs oracle on a grid of varlen truths ({len(seeds)} seeds x {SCORED} scored steps after "
               f"{args.warmup} warm-up steps; cells: lockstep/LB metered − oracle, median/worst step; informed: "
               "the same gap for least squares told the truth's form and per-micro overhead; point: the meter's "
               "point estimate without the hedge, same records)")
         print(format_grid(cells))
         result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                      warmup=args.warmup, scored=SCORED, seeds=len(seeds), hedge=not args.no_hedge, cells=cells)
+                      warmup=args.warmup, scored=SCORED, seeds=len(seeds), hedge=not args.no_hedge,
+                      placement=args.placement, cells=cells)
         if not args.no_write:
             name = "meter-grid" if args.warmup == WARMUP else f"meter-grid-warmup{args.warmup}"
             name += "" if len(seeds) == 6 else f"-seeds{len(seeds)}"
             name += "-nohedge" if args.no_hedge else ""
+            name += "-local" if args.placement == "local" else ""
             print(f"wrote {save_json(name, result)}.json")
         return result
     rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]

@@ -60,11 +60,13 @@ def hedge_scenarios(cost: CostModel) -> tuple[CostModel, ...]:
 
 def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray,
                    scenarios: tuple[CostModel, ...], cap: int, *, max_iters: int | None = None,
-                   extra: tuple[np.ndarray, int] | None = None) -> np.ndarray:
+                   extra: tuple[np.ndarray, int] | None = None, same_rank: bool = False) -> np.ndarray:
     """An improved copy of ``bin_of`` for the slot layout ``grid[r, m]`` (bins keep their slot), or
     ``bin_of`` itself when nothing moved. ``costs``: each item's cost under the point estimate
     (``scenarios[1]``); under scenario s it is scaled by the ratio of that scenario's sample cost
-    to the point estimate's at the item's length (prefix-tree atoms keep their own shape)."""
+    to the point estimate's at the item's length (prefix-tree atoms keep their own shape).
+    ``same_rank``: items move or swap only between bins of one grid row (local placement: every
+    sample stays on its rank)."""
     D, K = grid.shape
     nb, n, S = D * K, lens.size, len(scenarios)
     if K < 1 or n <= 1 or S == 0:
@@ -78,6 +80,10 @@ def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs
     X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
     slot_of = np.empty(nb, dtype=np.int64)
     slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)
+    rank_of = None
+    if same_rank:
+        rank_of = np.empty(nb, dtype=np.int64)
+        rank_of[grid.reshape(-1)] = np.repeat(np.arange(D), K)
     out = bin_of
     empty = int(np.count_nonzero(cnt == 0))  # placeholders: per_micro each (the same in every scenario)
     # F's floor: Σ_s of the mean load per rank; nothing beats it
@@ -101,7 +107,7 @@ def hedge_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs
             if cnt[a] == 0:
                 continue
             got = _best_change(a, out, A, T, C, cnt, slot_of, by, grid, lf, sc, scenarios, cap,
-                               None if extra is None else (extra[0], X, extra[1]))  # type: ignore[arg-type]
+                               None if extra is None else (extra[0], X, extra[1]), rank_of)  # type: ignore[arg-type]
             if got is not None:
                 break
         if got is None:
@@ -118,11 +124,14 @@ def _costs(scenarios: tuple[CostModel, ...], A: np.ndarray, T: np.ndarray, cnt: 
     return np.where(cnt > 0, _bin(scenarios, A, T, cnt), 0.0)
 
 
-def _receivers(a: int, m: int, C: np.ndarray, cnt: np.ndarray, slot_of: np.ndarray, slot_max: np.ndarray) -> np.ndarray:
-    """Real bins other than ``a``: all of them, or the most headroom (summed over scenarios) and the
-    lightest of slot m when there are many."""
+def _receivers(a: int, m: int, C: np.ndarray, cnt: np.ndarray, slot_of: np.ndarray, slot_max: np.ndarray,
+               rank_of: np.ndarray | None = None) -> np.ndarray:
+    """Real bins other than ``a`` (of a's rank when ``rank_of`` is given): all of them, or the most
+    headroom (summed over scenarios) and the lightest of slot m when there are many."""
     nb = cnt.size
     ok = (cnt > 0) & (np.arange(nb) != a)
+    if rank_of is not None:
+        ok &= rank_of == rank_of[a]
     pool = np.flatnonzero(ok)
     if pool.size <= 2 * _RECEIVERS:
         return pool
@@ -137,12 +146,13 @@ def _receivers(a: int, m: int, C: np.ndarray, cnt: np.ndarray, slot_of: np.ndarr
 def _best_change(a: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray,
                  slot_of: np.ndarray, by: np.ndarray, grid: np.ndarray, lf: np.ndarray, sc: np.ndarray,
                  scenarios: tuple[CostModel, ...], cap: int,
-                 extra: tuple[np.ndarray, np.ndarray, int] | None) -> tuple[int, int, int] | None:
+                 extra: tuple[np.ndarray, np.ndarray, int] | None,
+                 rank_of: np.ndarray | None = None) -> tuple[int, int, int] | None:
     """(sample i of a, receiver bin b, sample j of b or -1) of the change that lowers F most, or None."""
     S = len(scenarios)
     m = int(slot_of[a])
     slot_max = by.max(axis=2)                               # [S, K]
-    recv = _receivers(a, m, C, cnt, slot_of, slot_max)
+    recv = _receivers(a, m, C, cnt, slot_of, slot_max, rank_of)
     if not recv.size:
         return None
     col = grid[:, m]

@@ -70,6 +70,7 @@ from ..cost.models import bin_costs, is_additive
 from ..errors import PlanError
 from ..types import KChoice
 from .assign import grid_time
+from .hedge import hedge_lockstep, hedge_scenarios
 from .fit import adjusted_slope, cdiv, check_cap, effective_cap, fill_targets, pack_at, round_up
 from .kchoice import choose_k, time_lower_bounds
 from .layout import StepLayout
@@ -95,6 +96,7 @@ class LocalFit(NamedTuple):
     K: int
     choice: KChoice | None
     short: bool                 # some rank has fewer atoms than K (placeholders)
+    hedged: bool = False        # the hedge moved atoms: bin r·K + m runs in slot m (keep, do not re-sort)
 
 
 class _Ranks:
@@ -401,8 +403,21 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
     bin_of = np.empty(lens.size, dtype=np.int64)
     for r in ranks.busy.tolist():
         bin_of[ranks.pos[r]] = r * K + slot_of[r][bins[r]]
+    hedged = False
+    if default_cost and ranks.padded is None and (scen := _scenarios(cfg, ranks)):  # a cost known to ±sd
+        out = hedge_lockstep(bin_of, np.arange(D * K).reshape(D, K), lens, costs, scen, effective_cap(cfg),  # type: ignore[arg-type]
+                             extra=None if layout is None else layout.extra, same_rank=True)
+        hedged, bin_of = out is not bin_of, out
     kept = np.arange(lens.size, dtype=np.int64)
-    return LocalFit(kept, bin_of, K, choice, bool((ranks.n < K).any()))
+    return LocalFit(kept, bin_of, K, choice, bool((ranks.n < K).any()), hedged)
+
+
+def _scenarios(cfg: PlanConfig, ranks: _Ranks) -> tuple:
+    """The hedge's machines (``hedge.hedge_scenarios``) where the pass applies: lockstep sync, a
+    cap, no static CP, two or more busy ranks (one busy rank: its total is the time)."""
+    if cfg.sync != "micro" or cfg.micro_batch_size is not None or cfg.static_cp_size != 1 or ranks.busy.size < 2:
+        return ()
+    return hedge_scenarios(cfg.cost)  # type: ignore[arg-type]
 
 
 def fit_local(s: int, labels: np.ndarray, lens: np.ndarray, costs: np.ndarray, owner: np.ndarray,
@@ -448,7 +463,7 @@ def _drop_trailing(s: int, lens: np.ndarray, costs: np.ndarray, owner: np.ndarra
         fit = layout_local(lens[pos], costs[pos], owner[pos], cfg, min_micro_count,
                            None if layout is None else layout.take(pos), sub)
         if not fit.short:
-            return LocalFit(pos[fit.kept], fit.bin_of, fit.K, fit.choice, False)
+            return LocalFit(pos[fit.kept], fit.bin_of, fit.K, fit.choice, False, fit.hedged)
     raise PlanError(_short_message(s, owner, None, cfg) + f" short_step='drop' found no prefix of whole rollouts "
                     f"(of {R}) with which every rank fills its micro-batches. Give every rank at least "
                     f"align={a} samples of the first rollouts, raise max_tokens_per_micro, or use short_step='pad'.")

@@ -89,10 +89,11 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     lens = atoms.tokens if halo is None else atoms.tokens + halo
     run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
     slots = None  # the fit's costs and grid of its packing, when it arranged them
+    fixed = False  # local placement: the fit's bin r·K + m is slot m
     if ctx.local:
         fit = fit_local(s, atoms.label, lens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
                         ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
-        kept, bin_of, K, choice = fit.kept, fit.bin_of, fit.K, fit.choice
+        kept, bin_of, K, choice, fixed = fit.kept, fit.bin_of, fit.K, fit.choice, fit.hedged
     else:
         f = fit_step(s, atoms.label, lens, atoms.costs, atoms.rollouts, run_cfg, view)
         kept, bin_of, K, choice, slots = f.kept, f.bin_of, f.micro_count, f.choice, f.slots
@@ -109,7 +110,9 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
-    if ctx.local:  # each rank's own bins, heaviest first
+    if ctx.local and fixed:  # the hedge levelled bin r·K + m against slot m: re-sorting would undo it
+        grid = np.arange(D * K, dtype=np.int64).reshape(D, K)
+    elif ctx.local:  # each rank's own bins, heaviest first
         grid = np.argsort(-per_gpu.reshape(D, K), axis=1, kind="stable") + (np.arange(D) * K)[:, None]
     elif slots is not None and np.array_equal(slots.costs, per_gpu):  # arrange is a function of the costs
         grid = slots.grid
