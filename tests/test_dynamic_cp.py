@@ -93,3 +93,33 @@ def test_long_context_dynamic_cp_matches_or_beats_fixed_cp(cmax):
                      for w in (2, 4, 8) if w <= cmax)
     assert dyn.stats.predicted_time <= best_fixed * (1 + 1e-9)
     assert dyn.stats.max_micro_tokens <= cap
+
+
+def test_a_sample_that_fits_one_gpu_is_not_split_where_its_halo_rows_break_the_cap():
+    """Found by the thorough hypothesis profile: at cap 3 a 3-token sample fits one GPU, but split
+    over two each GPU computes ⌈3/2⌉ + 2 halo rows = 4 > 3 (footprint.gpu_tokens). The balancing
+    widening split it anyway and validate() refused the plan."""
+    cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=3, context_parallel=mp.ContextParallel(max_size=4),
+                        cost=mp.TokenCost(per_micro=64.0))
+    plan = mp.plan(mp.Batch([2, 3]), cfg)
+    plan.validate()
+    for row in plan.steps[0].micros:
+        for m in row:
+            assert m.is_placeholder or -(-m.num_tokens // m.cp_size) + 2 * (m.cp_size > 1) <= 3
+
+
+def test_a_lone_short_sample_takes_one_slot_when_no_split_group_can_hold_its_halo():
+    """One 1-token sample on 2 GPUs at cap 3 with rows padded to 2: a 2-wide group has no room for
+    its halo rows, so it runs alone with a placeholder beside it — at K = 1, not at a K grown in
+    search of a split group that cannot exist."""
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=3, context_parallel=mp.ContextParallel(max_size=2),
+                        pad_row_to_multiple_of=2)
+    plan = mp.plan(mp.Batch([1]), cfg)
+    plan.validate()
+    assert plan.steps[0].micro_count == 1
+
+
+def test_dynamic_cp_refuses_a_row_multiple_the_zigzag_split_cannot_take_at_config_time():
+    with pytest.raises(mp.PlanError, match="split like a sample.*use 6"):
+        mp.PlanConfig(dp_size=2, max_tokens_per_micro=64, context_parallel=mp.ContextParallel(max_size=2),
+                      pad_to_multiple_of=2, pad_row_to_multiple_of=3)

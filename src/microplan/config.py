@@ -448,7 +448,9 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
                         f"{f' × cp size {cfg.static_cp_size}' if cfg.static_cp_size > 1 else ''}: every micro-batch "
                         "would be over the cap; lower pad_row_to_multiple_of / pad_to_multiple_of or raise the cap.")
     m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
-    if cfg.layout == "varlen" and cfg.static_cp_size > 1 and m > 1 and r > 1 and r % m:
+    cp = cfg.context_parallel
+    split = cfg.static_cp_size > 1 or (cp is not None and cp.dynamic)  # dynamic CP splits rows too
+    if cfg.layout == "varlen" and split and m > 1 and r > 1 and r % m:
         raise PlanError(f"under context parallel the row's trailing pad sequence must split like a sample (zigzag "
                         f"chunks): pad_row_to_multiple_of={r} must be a multiple of pad_to_multiple_of={m}; use "
                         f"{math.lcm(m, r)}.")

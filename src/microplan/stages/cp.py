@@ -98,7 +98,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray,
     D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     if not need_only:
-        deg = balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg)  # type: ignore[arg-type]
+        deg = balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg, segs)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
     short = np.flatnonzero(deg == 1)
     free = D * K - int(deg[long].sum())
@@ -194,6 +194,12 @@ def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.
             if allow_short or not padded.placeholders:
                 return padded, K
             return None
+        if lens.size <= cfg.dp_size * K and int(deg.sum()) <= cfg.dp_size * K:
+            # no packing, yet every sample has a group of its own: the merged groups were split
+            # ones without room for a short sample's halo rows (a 1-token sample on 2 GPUs at cap
+            # 3, r = 2). More slots would only add placeholders; one group per sample is the layout.
+            padded = _padded(lens, costs, deg, segs, cfg, K)
+            return (padded, K) if allow_short or not padded.placeholders else None
         K += a
 
 

@@ -91,16 +91,22 @@ def cp_increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.nd
 
 
 def balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
-                      cmax: int, cfg: PlanConfig) -> np.ndarray:
+                      cmax: int, cfg: PlanConfig, segs: np.ndarray) -> np.ndarray:
     """Widen samples whose per-GPU cost exceeds the mean load of a GPU slot, within budget.
 
     A sample costing more than τ = Σ cost / (dp·K) leaves its slot waiting however the other
     groups are filled; doubling its CP degree cuts its per-GPU time (halves it under perfect
     scaling; the CP price of ``cost/cp.py`` otherwise). Greedy: repeatedly double the sample with
     the highest per-GPU cost above τ while doubling lowers that cost and the widened groups still
-    leave enough unit GPU-slots for the short samples' tokens. Never below the token need.
+    leave enough unit GPU-slots for the short samples' tokens. Never below the token need; a
+    unit sample is split only when each GPU of the pair holds its half plus its halo rows
+    (``segs``: its row segments, the row pad one more when r > 1; ``footprint.gpu_tokens``) —
+    a sample that fits one GPU may not fit two. Wider than 2 only shrinks the half.
     """
     tau = float(costs.sum()) / gpu_slots
+    r = cfg.pad_row_to_multiple_of
+    # ⌈row/2⌉ + 2·S <= cap: the first split's room (cp_degrees' rule at d = 2)
+    splits = -(-(-(-lens // r) * r) // 2) + HALO_ROWS * (segs + (r > 1)) <= cap
     out = deg.copy()
     short_tokens = int(lens[deg == 1].sum())
     budget = gpu_slots - cdiv(short_tokens, cap) - int(deg[deg > 1].sum())
@@ -111,7 +117,7 @@ def balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_s
         neg, i = heapq.heappop(heap)
         d = int(out[i])
         extra = d if d > 1 else 2  # a unit sample becomes a 2-wide group: it leaves the short pool
-        if -neg <= tau or 2 * d > cmax or extra > budget:
+        if -neg <= tau or 2 * d > cmax or extra > budget or (d == 1 and not splits[i]):
             continue
         wider = float(per_gpu_cost(cfg, costs[i:i + 1], lens[i:i + 1], 2 * d)[0])
         if wider >= -neg:  # splitting wider is predicted no faster: keep the sample at d
