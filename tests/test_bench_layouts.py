@@ -94,3 +94,30 @@ def test_small_steps_against_the_optimum():
     assert "plan/opt_full" in text and len(text.splitlines()) == 3 + 1 + 2 + len(rows)
     assert all(line.endswith(("ok", "MISS")) or "ok)" in line or "MISS)" in line
                for line in bench_layouts.check_small(rows))
+
+
+def test_padded_anneal_scores_cuts_like_the_exact_module_and_keeps_the_cap():
+    """benchmarks/padded_anneal.py: its lockstep of a cut is padded_exact.runs_lockstep's, the plan's
+    refilled cut is never slower than the plan, K ± 1 starts have dp·(K ± 1) runs under the cap, and
+    the search never returns worse than its start."""
+    import benchmarks.padded_anneal as pa
+    from benchmarks.padded_exact import runs_lockstep
+
+    rng = np.random.default_rng(5)
+    lens = rng.integers(20, 900, 40)
+    cost = pa.dense_7b_cost()
+    dp, cap = 4, 2048
+    plan, _ = pa._plan_microplan(mp.Batch(lens.tolist()), dp, cap, cost, "padded")
+    got = pa.padded_step_metrics(plan, lens, dp=dp, cap=cap, cost=cost).lockstep
+    cuts = pa.Cuts(lens, dp, cap, cost)
+    cut = pa.plan_cut(plan, lens)
+    assert cuts.time(cut) == pytest.approx(runs_lockstep(lens, cut, dp=dp, cost=cost), rel=1e-12)
+    assert cuts.time(cut) <= got * (1 + 1e-12)
+    K = len(plan[0])
+    for k in (K - 1, K + 1):
+        s = pa.start_at(cut, dp * k, cuts)
+        if s is not None:
+            assert s.size - 1 == dp * k and s[0] == 0 and s[-1] == lens.size
+    best = pa.anneal(cut, cuts, 0.2, np.random.default_rng(0))
+    assert best <= cuts.time(cut) and np.isfinite(best)
+    assert lens.size * int(lens.max()) > cap and cuts.time(np.array([0, lens.size])) == float("inf")  # over the cap

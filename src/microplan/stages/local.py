@@ -37,7 +37,12 @@ only regroup each rank's own samples. Per step:
 6. Polish (lockstep, at the chosen K): the ranks holding a slot's maximum move or swap atoms (and
    pairs of atoms) between their own bins against the other ranks' slot maxima
    (``local_refine.polish_local``); the lockstep time never rises.
-7. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
+7. Hedge (lockstep, ≥ 2 busy ranks, a cost whose attention term is known only to ±sd —
+   ``FlopsCost.attention_rel_sd``, what ``CostMeter`` hands out): ``hedge.hedge_lockstep`` with
+   ``same_rank=True`` moves and swaps atoms among each rank's own bins so every slot is level for
+   attention × (1 − sd), × 1 and × (1 + sd); the slots it levelled are kept (bin r·K + m runs in
+   slot m). Where one rank sets every slot's maximum there is nothing to level and nothing moves.
+8. short_step: a rank with fewer samples than K gets placeholders (``pad``), trailing rollouts
    are dropped until every rank fills K (``drop``), or a PlanError names the ranks (``error``).
 
 Guarantees: those of every plan (equal K, aligned, cap, coverage, exact loss scales computed
