@@ -319,3 +319,22 @@ def test_refine_swaps_only_keep_counts_and_never_raise_the_max(seed, n, k):
     m = min(k, n)
     assert np.array_equal(np.bincount(r, minlength=m), np.bincount(b, minlength=m))
     assert np.bincount(r, weights=w, minlength=m).max() <= np.bincount(b, weights=w, minlength=m).max()
+
+
+def test_one_rank_local_packs_a_cap_tight_step_as_global_does():
+    """Found by the thorough hypothesis profile (test_one_rank_local_equals_global): a step whose
+    micro-batches fill the cap to the last few tokens, where the slot-target LPT fails. The global
+    packer retries it on costs tilted toward long samples; local placement skipped that retry (it
+    passes shared targets) and fell to first-fit decreasing — a different packing. Both now tilt."""
+    lens = np.array([29, 24, 46, 992, 94, 66, 83, 43, 74, 97, 65, 84, 33, 62, 24, 87, 31, 1, 57, 808, 90, 55, 39,
+                     1024, 11, 29, 43, 38, 986, 10, 82, 74, 58, 87, 10, 22, 93, 28, 23, 11, 60, 971, 19, 46, 95, 98,
+                     769, 48, 981, 20, 83, 933, 57, 57, 48, 14, 101, 19, 85, 71, 20, 839])
+    pids = [0, 1, 2, 3, 4, 3, 5, 0, 6, 2, 5, 3, 7, 0, 8, 8, 4, 9, 5, 1, 10, 8, 10, 0, 5, 9, 7, 0, 11, 11, 7, 11, 1,
+            7, 0, 12, 6, 3, 9, 7, 7, 1, 2, 7, 7, 5, 10, 1, 10, 8, 6, 0, 10, 9, 2, 10, 0, 9, 10, 1, 3, 5]
+    cfg = mp.PlanConfig(dp_size=1, max_tokens_per_micro=1024, steps=mp.Steps(num_steps=2), cost=mp.TokenCost())
+    glob = mp.plan(mp.Batch(lens, loss_tokens=lens - 1, prompt_ids=pids), cfg)
+    loc = mp.plan(mp.Batch(lens, loss_tokens=lens - 1, prompt_ids=pids, rank_of=np.zeros(lens.size, int)),
+                  replace(cfg, placement="local"))
+    loc.validate()
+    assert [s.micro_count for s in loc.steps] == [s.micro_count for s in glob.steps] == [7, 4]
+    assert all(a.micros == b.micros for a, b in zip(loc.steps, glob.steps))

@@ -271,15 +271,15 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
     length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). Slot-target LPT toward
     ``targets`` (per-slot cost targets, length K, in those first-order units; default: this
     step's own :func:`slot_targets` — local placement passes targets shared by every rank), then
-    first-fit decreasing and, for small steps, an exhaustive search, each refined. ``extra``: a
+    the same LPT on costs tilted toward long samples (:func:`_tilted`), then first-fit decreasing and, for small steps, an exhaustive search, each refined. ``extra``: a
     second capped resource (vision tokens) every packer keeps. No lockstep refinement here.
     """
     slope = adjusted_slope(cost, lens, m)
     bal = costs + slope * lens if slope else costs  # an additive cost balances the costs themselves
     bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets)
     n = lens.size
-    if bin_of is None and targets is None:
-        bin_of = _tilted(lens, bal, m, D, K, cap, extra)
+    if bin_of is None:
+        bin_of = _tilted(lens, bal, m, D, K, cap, extra, targets)
     if bin_of is None and n <= FFD_MAX_SAMPLES:
         bin_of = first_fit_decreasing(lens, m, cap, extra)
         if bin_of is None and n <= EXACT_MAX_SAMPLES and extra is None:
@@ -293,9 +293,10 @@ TILTS = (0.5, 1.0)  # exponents of the long-sample emphasis tried when a cap-tig
 
 
 def _tilted(lens: np.ndarray, bal: np.ndarray, m: int, D: int, K: int, cap: int,
-            extra: Extra | None) -> np.ndarray | None:
+            extra: Extra | None, targets: np.ndarray | None = None) -> np.ndarray | None:
     """Cap-tight steps (the slot-target LPT found no packing): the same LPT on costs tilted toward
-    long samples, bal·(L/L̄)^γ, then refined on the real costs; None if no tilt packs.
+    long samples, bal·(L/L̄)^γ, then refined on the real costs toward the slot targets (``targets``
+    when given: local placement's, shared by every rank); None if no tilt packs.
 
     When the step fills its bins to the last few tokens, LPT on the real costs can stack the long
     samples (a bin's cost headroom lets it take several) until the cap refuses a late sample, and
@@ -310,7 +311,8 @@ def _tilted(lens: np.ndarray, bal: np.ndarray, m: int, D: int, K: int, cap: int,
     for g in TILTS:
         got = _pack_slots(lens, bal * (lens / mean) ** g, m, D, K, cap, extra)
         if got is not None:
-            offset = np.repeat(slot_targets(bal, D, K), D) if m == D * K and K > 1 else None
+            tau = slot_targets(bal, D, K) if targets is None else targets
+            offset = np.repeat(tau, D) if m == D * K and K > 1 else None
             return refine_bins(got, lens, bal, m, cap, offset=offset, extra=extra)
     return None
 
