@@ -70,23 +70,28 @@ def _machine_lockstep(plan, machine):
     return sum(float(step_cost_grid(plan.batch, cfg, st).max(axis=0).sum()) for st in plan.steps)
 
 
+def _plans_and_worst(batch: mp.Batch, placement: str) -> tuple[dict, dict]:
+    """Plans at dp 8 with attention known exactly (sd 0) and to ±15 %, each validated and at the same
+    K, and each plan's lockstep time at the worse of two machines whose attention is 15 % off."""
+    machines = [mp.FlopsCost(linear=1.0, quadratic=2.4e-4 * f, per_micro=500.0) for f in (0.85, 1.15)]
+    plans = {}
+    for sd in (0.0, 0.15):
+        cfg = mp.PlanConfig(dp_size=8, max_tokens_per_micro=16384, placement=placement, cost=mp.FlopsCost(
+            linear=1.0, quadratic=2.4e-4, per_micro=500.0, attention_rel_sd=sd))
+        plans[sd] = mp.plan(batch, cfg)
+        plans[sd].validate()
+    assert plans[0.0].steps[0].micro_count == plans[0.15].steps[0].micro_count
+    return plans, {sd: max(_machine_lockstep(p, m) for m in machines) for sd, p in plans.items()}
+
+
 def test_a_hedged_plan_is_balanced_whichever_machine_it_meets():
     """Attention known to ±15 %: the hedged plan's lockstep time, on machines whose attention is 15 %
     off either way, is lower at the worse of the two than the plan that trusts the point estimate.
     Fails without the hedge (the same plan twice)."""
     trace = mp.traces.generate("grpo-longtail", num_prompts=32, samples_per_prompt=8, max_len=8192, seed=3)
-    batch = mp.Batch(trace.seq_lens, prompt_ids=trace.prompt_ids)
-    point = mp.FlopsCost(linear=1.0, quadratic=2.4e-4, per_micro=500.0)
-    machines = [mp.FlopsCost(linear=1.0, quadratic=2.4e-4 * f, per_micro=500.0) for f in (0.85, 1.15)]
-    plans = {}
-    for sd in (0.0, 0.15):
-        cfg = mp.PlanConfig(dp_size=8, max_tokens_per_micro=16384, cost=mp.FlopsCost(
-            linear=1.0, quadratic=2.4e-4, per_micro=500.0, attention_rel_sd=sd))
-        plans[sd] = mp.plan(batch, cfg)
-        plans[sd].validate()
-    assert plans[0.0].steps[0].micro_count == plans[0.15].steps[0].micro_count
-    worst = {sd: max(_machine_lockstep(p, m) for m in machines) for sd, p in plans.items()}
+    plans, worst = _plans_and_worst(mp.Batch(trace.seq_lens, prompt_ids=trace.prompt_ids), "global")
     assert worst[0.15] < worst[0.0] * (1 - 5e-4), worst
+    point = mp.FlopsCost(linear=1.0, quadratic=2.4e-4, per_micro=500.0)
     # the plan's own predicted time is the point estimate's
     assert plans[0.15].stats.predicted_time == pytest.approx(_machine_lockstep(plans[0.15], point), rel=1e-9)
 
@@ -96,20 +101,11 @@ def test_local_placement_hedges_within_each_rank():
     known to ±15 % the hedged plan is faster at the worse of the two off-by-15 % machines than the
     plan that trusts the point estimate, and every sample still runs on its rank (validate)."""
     trace = mp.traces.generate("grpo-longtail", num_prompts=32, samples_per_prompt=8, max_len=8192, seed=3)
-    n, dp = len(trace.seq_lens), 8
+    n, dp = len(trace.seq_lens), 8  # dp as in _plans_and_worst
     owner = np.empty(n, dtype=np.int64)
     owner[np.argsort(-np.asarray(trace.seq_lens), kind="stable")] = np.r_[np.arange(dp), np.arange(dp)[::-1]][
         np.arange(n) % (2 * dp)]
-    batch = mp.Batch(trace.seq_lens, prompt_ids=trace.prompt_ids).with_rank_of(owner)
-    machines = [mp.FlopsCost(linear=1.0, quadratic=2.4e-4 * f, per_micro=500.0) for f in (0.85, 1.15)]
-    plans = {}
-    for sd in (0.0, 0.15):
-        cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=16384, placement="local", cost=mp.FlopsCost(
-            linear=1.0, quadratic=2.4e-4, per_micro=500.0, attention_rel_sd=sd))
-        plans[sd] = mp.plan(batch, cfg)
-        plans[sd].validate()
-    assert plans[0.0].steps[0].micro_count == plans[0.15].steps[0].micro_count
-    worst = {sd: max(_machine_lockstep(p, m) for m in machines) for sd, p in plans.items()}
+    _, worst = _plans_and_worst(mp.Batch(trace.seq_lens, prompt_ids=trace.prompt_ids).with_rank_of(owner), "local")
     assert worst[0.15] < worst[0.0] * (1 - 1e-3), worst
 
 
