@@ -51,7 +51,7 @@ from .hf import forward_flops
 from .presets import DEFAULT_ATTENTION, DEFAULT_PER_MICRO_TOKENS, attention_kernel
 
 __all__ = ["CostModel", "TokenCost", "FlopsCost", "cost_from_dict", "micro_features", "bin_costs", "row_costs",
-           "FEATURES", "is_additive"]
+           "FEATURES", "is_additive", "placeholder_cost"]
 
 #: The largest micro-batch a cost model must price without overflow: 2**64 tokens, in one sample
 #: or one packed row (more than any GPU holds; Batch refuses samples over 2**40 tokens).
@@ -143,6 +143,14 @@ def bin_costs(cost: CostModel, additive: np.ndarray, tokens: np.ndarray, counts:
     multi = np.asarray(counts) >= 2
     row = float(getattr(cost, "linear", 0.0)) * T + cost.packed_costs(T) + float(cost.per_micro)  # type: ignore[attr-defined]
     return np.where(multi, row, out)
+
+
+def placeholder_cost(cost: CostModel) -> float:
+    """What a placeholder micro-batch costs: it runs one dummy token (``pack_micro``), per_micro
+    included — never more than a real micro-batch. The one price stats, the planner's candidate
+    times and dynamic CP give a placeholder."""
+    one = np.ones(1, dtype=np.float64)
+    return float(bin_costs(cost, cost.sample_costs(one), one, 1)[0])
 
 
 def row_costs(cost: CostModel, w: np.ndarray, k: np.ndarray | int) -> np.ndarray:

@@ -43,6 +43,7 @@ import numpy as np
 from ..batch import Batch
 from ..config import ContextParallel, PlanConfig
 from ..cost.cp import cp_micro_costs
+from ..cost.models import placeholder_cost
 from ..errors import PlanError
 from ..footprint import HALO_ROWS, Footprint, footprint_of, halo_per_segment, micro_footprint
 from ..types import Micro, Step
@@ -304,7 +305,7 @@ def _mixed_grid(layout: _Layout, K: int, binner: Binner, coef: np.ndarray, cfg: 
     nb = layout.width.size
     mc, tokens = binner.costs_tokens(layout.bin_of, nb)
     empty = np.bincount(layout.bin_of, minlength=nb) == 0  # placeholders run one dummy token (stats.py)
-    mc[empty] = cfg.cost.micro_cost([1])  # type: ignore[union-attr]
+    mc[empty] = placeholder_cost(cfg.cost)  # type: ignore[arg-type]
     tokens = np.where(empty, 1, tokens)
     per_gpu = cp_micro_costs(cfg.cost, mc, tokens, layout.width)  # the one CP price (stats.py's too)
     rank_cost = np.zeros((D, K))

@@ -26,7 +26,9 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ..config import PlanConfig
 from ..cost.cp import cp_micro_costs
+from ..cost.models import placeholder_cost
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
@@ -119,7 +121,18 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     else:
         grid = arrange(per_gpu, D, K)
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
-                  grid_time(per_gpu[grid], cfg.sync))
+                  grid_time(_priced_placeholders(per_gpu, sample_bin, D * K, cfg)[grid], cfg.sync))
+
+
+def _priced_placeholders(per_gpu: np.ndarray, sample_bin: np.ndarray, nb: int, cfg: PlanConfig) -> np.ndarray:
+    """Per-GPU costs with each placeholder at its dummy token's price (``placeholder_cost``, as
+    stats price it), so candidates with more placeholders are not predicted faster than they run."""
+    empty = np.bincount(sample_bin, minlength=nb) == 0
+    if not empty.any():
+        return per_gpu
+    one = np.ones(1)
+    price = cp_micro_costs(cfg.cost, one * placeholder_cost(cfg.cost), one, cfg.static_cp_size)[0]
+    return np.where(empty, price, per_gpu)
 
 
 def _atom_bin_cost(atoms: Atoms, ctx: PlanContext):
