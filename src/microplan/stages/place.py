@@ -55,7 +55,8 @@ class Layout(NamedTuple):
     sample_bin: np.ndarray    # bin of each of those samples
     bin_tokens: np.ndarray    # footprint of each bin (what the cap counts)
     bin_costs: np.ndarray     # predicted cost of each bin (whole group under static CP)
-    time: float               # predicted step time under cfg.sync
+    time: float               # predicted step time under cfg.sync, as the fit priced it (placeholders: per_micro)
+    run_time: float           # the same with each placeholder at its dummy token's price, as stats price the plan
 
     @property
     def placeholders(self) -> int:
@@ -67,8 +68,9 @@ class Layout(NamedTuple):
         return np.sort(self.atoms.samples_of(self.dropped))
 
     def key(self) -> tuple[int, float, int]:
-        """Candidates compare by fewest dropped samples, then predicted time, then tokens."""
-        return (int(self.atoms.ptr[self.dropped + 1].sum() - self.atoms.ptr[self.dropped].sum()), self.time,
+        """Candidates compare by fewest dropped samples, then predicted time (placeholders priced as
+        they run: a candidate with more of them is not faster for it), then tokens."""
+        return (int(self.atoms.ptr[self.dropped + 1].sum() - self.atoms.ptr[self.dropped].sum()), self.run_time,
                 int(self.bin_tokens.sum()))
 
 
@@ -121,6 +123,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     else:
         grid = arrange(per_gpu, D, K)
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
+                  grid_time(per_gpu[grid], cfg.sync),
                   grid_time(_priced_placeholders(per_gpu, sample_bin, D * K, cfg)[grid], cfg.sync))
 
 
