@@ -188,17 +188,12 @@ def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.
         got = _try(lens, costs, deg, segs, cfg, K, extra, need_only)
         if isinstance(got, _Layout):
             return got, K
-        if got == "short":
-            # The greedy merge found no tiling without empty groups; the one-sample-per-group
-            # layout is the exact test (it tiles with no placeholder whenever any layout can).
-            padded = _padded(lens, costs, deg, segs, cfg, K)
-            if allow_short or not padded.placeholders:
-                return padded, K
-            return None
-        if lens.size <= cfg.dp_size * K and int(deg.sum()) <= cfg.dp_size * K:
-            # no packing, yet every sample has a group of its own: the merged groups were split
-            # ones without room for a short sample's halo rows (a 1-token sample on 2 GPUs at cap
-            # 3, r = 2). More slots would only add placeholders; one group per sample is the layout.
+        # "short": the greedy merge found no tiling without empty groups; the one-sample-per-group
+        # layout is the exact test (it tiles with no placeholder whenever any layout can). No
+        # packing while every sample still has a group of its own: the merged groups were split
+        # ones without room for a short sample's halo rows (a 1-token sample on 2 GPUs at cap 3,
+        # r = 2); more slots would only add placeholders, so one group per sample is the layout.
+        if got == "short" or (lens.size <= cfg.dp_size * K and int(deg.sum()) <= cfg.dp_size * K):
             padded = _padded(lens, costs, deg, segs, cfg, K)
             return (padded, K) if allow_short or not padded.placeholders else None
         K += a

@@ -52,9 +52,7 @@ def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, segs: np.
     pad one more segment when r > 1)."""
     cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
     r = cfg.pad_row_to_multiple_of
-    row = -(-lens // r) * r
-    # ⌈row/d⌉ + 2·S ≤ cap ⟺ row ≤ d·(cap − 2·S) for d > 1 (footprint.gpu_tokens)
-    room = cap - HALO_ROWS * (segs + (r > 1))  # type: ignore[operator]
+    row, room = _split_room(lens, segs, cfg)
     split = np.where(room >= 1, np.maximum(-(-row // np.maximum(room, 1)), 2), 2 * int(cmax) + 1)  # room < 1: no width fits
     need = np.where(row <= cap, 1, split)
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
@@ -90,6 +88,14 @@ def cp_increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.nd
             np.where(split, (1.0 - cp.overlap) * cp.comm_per_token * (w - 1.0) / w, 0.0))
 
 
+def _split_room(lens: np.ndarray, segs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Each sample's row (rounded to the row multiple r) and the owned rows one GPU of a split
+    group has left beside its halo rows: ⌈row/d⌉ + 2·S ≤ cap ⟺ ⌈row/d⌉ ≤ room for d > 1
+    (``footprint.gpu_tokens``; S its segments, the row pad one more when r > 1)."""
+    r = cfg.pad_row_to_multiple_of
+    return -(-lens // r) * r, cfg.max_tokens_per_micro - HALO_ROWS * (segs + (r > 1))  # type: ignore[operator]
+
+
 def balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,
                       cmax: int, cfg: PlanConfig, segs: np.ndarray) -> np.ndarray:
     """Widen samples whose per-GPU cost exceeds the mean load of a GPU slot, within budget.
@@ -104,9 +110,8 @@ def balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_s
     a sample that fits one GPU may not fit two. Wider than 2 only shrinks the half.
     """
     tau = float(costs.sum()) / gpu_slots
-    r = cfg.pad_row_to_multiple_of
-    # ⌈row/2⌉ + 2·S <= cap: the first split's room (cp_degrees' rule at d = 2)
-    splits = -(-(-(-lens // r) * r) // 2) + HALO_ROWS * (segs + (r > 1)) <= cap
+    row, room = _split_room(lens, segs, cfg)
+    splits = -(-row // 2) <= room  # cp_degrees' rule at d = 2
     out = deg.copy()
     short_tokens = int(lens[deg == 1].sum())
     budget = gpu_slots - cdiv(short_tokens, cap) - int(deg[deg > 1].sum())

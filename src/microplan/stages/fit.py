@@ -271,8 +271,9 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
     length T̄ = N/m: s(L) + g'(T̄)·L (equal rows then cost equal g). Slot-target LPT toward
     ``targets`` (per-slot cost targets, length K, in those first-order units; default: this
     step's own :func:`slot_targets` — local placement passes targets shared by every rank), then
-    the same LPT on costs tilted toward long samples (:func:`_tilted`), then first-fit decreasing and, for small steps, an exhaustive search, each refined. ``extra``: a
-    second capped resource (vision tokens) every packer keeps. No lockstep refinement here.
+    the same LPT on costs tilted toward long samples (:func:`_tilted`), then first-fit decreasing
+    and, for small steps, an exhaustive search, each refined. ``extra``: a second capped resource
+    (vision tokens) every packer keeps. No lockstep refinement here.
     """
     slope = adjusted_slope(cost, lens, m)
     bal = costs + slope * lens if slope else costs  # an additive cost balances the costs themselves

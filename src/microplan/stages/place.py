@@ -124,13 +124,14 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
         grid = arrange(per_gpu, D, K)
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
                   grid_time(per_gpu[grid], cfg.sync),
-                  grid_time(_priced_placeholders(per_gpu, sample_bin, D * K, cfg)[grid], cfg.sync))
+                  grid_time(_priced_placeholders(per_gpu, tokens, cfg)[grid], cfg.sync))
 
 
-def _priced_placeholders(per_gpu: np.ndarray, sample_bin: np.ndarray, nb: int, cfg: PlanConfig) -> np.ndarray:
-    """Per-GPU costs with each placeholder at its dummy token's price (``placeholder_cost``, as
-    stats price it), so candidates with more placeholders are not predicted faster than they run."""
-    empty = np.bincount(sample_bin, minlength=nb) == 0
+def _priced_placeholders(per_gpu: np.ndarray, tokens: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+    """Per-GPU costs with each placeholder (a bin holding no token) at its dummy token's price
+    (``placeholder_cost``, as stats price it), so candidates with more placeholders are not
+    predicted faster than they run."""
+    empty = tokens == 0
     if not empty.any():
         return per_gpu
     one = np.ones(1)
