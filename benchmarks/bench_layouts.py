@@ -25,9 +25,11 @@ static); 2D rows ([n, max prompt + max response]): microplan ``layout="padded-2d
 FFD. ``microplan-varlen`` (the varlen plan, scored in varlen cost) is the reference a padded
 layout gives up. Cost: the ~7B dense model of bench_planners (metrics.dense_7b_cost).
 
-Run: ``python -m benchmarks.bench_layouts [--quick] [--mid-seeds 3] [--mid-limit 20]`` (~4 minutes with
-``--quick`` on 2 shared cores, most of it the mid table's solves). Prints the tables and writes
-``benchmarks/results/layouts-<date>-<host>.json``.
+Run: ``python -m benchmarks.bench_layouts [--quick] [--mid-seeds 3] [--mid-limit 20] [--volume-max-work W]``
+(~4 minutes with ``--quick`` on 2 shared cores, most of it the mid table's solves). Prints the tables
+and writes ``benchmarks/results/layouts-<date>-<host>.json`` (``layouts-volume<W>-...`` with
+``--volume-max-work``, which overrides ``stages/padded.py``'s budget for the deep search's volume-cut
+starts: 0 turns them off, for a before/after in one machine state).
 """
 
 from __future__ import annotations
@@ -258,7 +260,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(add_help=False)
     ap.add_argument("--mid-seeds", type=int, default=3, help="mid-size steps per family (0: no mid table)")
     ap.add_argument("--mid-limit", type=float, default=20.0, help="seconds per exact solve of a mid step")
+    ap.add_argument("--volume-max-work", type=float, default=None,
+                    help="override stages/padded.py's VOLUME_MAX_WORK (0: no volume-cut starts), for a before/after")
     mid_args, rest = ap.parse_known_args(argv)
+    from microplan.stages import padded
+    if mid_args.volume_max_work is not None:
+        padded.VOLUME_MAX_WORK = mid_args.volume_max_work
     args, dps, seeds = bench_args(rest, __doc__, list(PLANNERS), (8, 16, 32))
     cost = dense_7b_cost()
     rows = run_grid(run_case, args.families, dps, seeds, cost, args.planners)
@@ -285,9 +292,10 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
                   cost=cost.to_dict(), families={f: dict(zip(("max_len", "cap", "group"), v)) for f, v in FAMILIES.items()},
                   dp=list(dps), seeds=list(seeds), targets=TARGETS, labels=PLANNERS, summary=summary, rows=rows,
-                  small=small, mid=mid, mid_limit_s=mid_args.mid_limit)
+                  small=small, mid=mid, mid_limit_s=mid_args.mid_limit, volume_max_work=padded.VOLUME_MAX_WORK)
     if not args.no_write:
-        stem = save_json("layouts", result)
+        vmw = mid_args.volume_max_work
+        stem = save_json("layouts" if vmw is None else f"layouts-volume{vmw:g}", result)
         print(f"\nwrote {stem}.json")
     return result
 

@@ -199,7 +199,7 @@ def test_interleaved_slots_are_reached():
     # benchmarks/padded_exact.py) pairs the mid-length samples so that they share slots 0 and 1
     # with the longest singles, and cuts the short tail into 8 runs — slots that interleave in the
     # sorted order, 4+ boundaries from any plan the boundary moves reach (the plan was 1.037x);
-    # padded_levels.volume_cut with power 0.5 (a few costly runs beside many cheap ones) starts there
+    # padded_levels.volume_cuts with power 0.5 (a few costly runs beside many cheap ones) starts there
     from benchmarks.metrics import dense_7b_cost
     cost = dense_7b_cost()
     lens = np.array([16384, 15828, 12907, 12549, 10045, 9075, 8196, 8122, 7158, 6934, 6867, 5270, 1381, 901, 698,
@@ -207,3 +207,41 @@ def test_interleaved_slots_are_reached():
     plan, got = _plan_lockstep(lens, 4, 49152, cost)
     assert plan.steps[0].micro_count == 4
     assert got <= 1813565340109824.0 * (1 + 1e-9)
+
+
+@given(instances(max_n=9), st.integers(1, 9), st.sampled_from([None, 1, 2, 3]))
+def test_volume_cuts_are_the_least_power_sum_of_every_cut(case, m, max_count):
+    # padded_levels.volume_cuts (one DP for every m and power) against every cut of the sorted
+    # samples into m runs within the caps: the same least Σ (run cost)^p, or None when no cut fits
+    from itertools import combinations
+
+    from microplan.stages import padded as P
+    from microplan.stages.padded_levels import VOLUME_POWERS, volume_cuts
+    from microplan.stages.padded_search import _fit_mask
+    if (got := _sorted_case(case)) is None:
+        return
+    srt, lens, *_ = got
+    caps = (case[2], max_count, None)
+    bound = P._cap_bound(srt, *caps)
+    n = lens.size
+    cuts = volume_cuts(srt, [m, n + 1], caps, bound)
+    assert all(mm <= n for mm, _ in cuts)  # an m past the samples has no cut
+    if m > n:
+        assert cuts == {}
+        return
+    scale = float(srt.run_cost(np.array([0]), np.array([1]))[0]) or 1.0
+    for p in VOLUME_POWERS:
+        best = None
+        for inner in combinations(range(1, n), m - 1):
+            b = np.array([0, *inner, n])
+            if _fit_mask(srt, b[:-1], b[1:], caps).all():
+                v = float(((srt.run_cost(b[:-1], np.diff(b)) / scale) ** p).sum())
+                best = v if best is None else min(best, v)
+        b = cuts[m, p]
+        if best is None:
+            assert b is None
+            continue
+        b = np.array(b)
+        assert b[0] == 0 and b[-1] == n and b.size == m + 1 and (np.diff(b) > 0).all()
+        assert _fit_mask(srt, b[:-1], b[1:], caps).all()
+        assert float(((srt.run_cost(b[:-1], np.diff(b)) / scale) ** p).sum()) <= best * (1 + 1e-9)

@@ -23,9 +23,10 @@ K: the min-max walk from K's lower bound (padded tokens, the vision cap) up whil
 improves (one step of patience, at most ``MAX_EVALS`` packings), plus the level DP's three best
 K over the whole range up to one sample per bin (its pass stops once K·per_micro plus the
 step's body bound passes the best time); K is chosen on boundary moves, then the ``DEEP`` best
-K get every move of ``padded_search.py`` — on steps of at most ``VOLUME_MAX_SAMPLES`` samples
-also from the volume cuts of ``padded_levels.py``, whose slots may interleave in the sorted
-order — and the lowest predicted time wins. Every K tried is
+K get every move of ``padded_search.py`` — also from the volume cuts of ``padded_levels.py``,
+whose slots may interleave in the sorted order, when their DP's work is within
+``VOLUME_MAX_WORK`` (every step of ≤ 64 samples; on the large benchmark grid, the dp-8 steps
+of 128–261 samples) — and the lowest predicted time wins. Every K tried is
 recorded in the step's :class:`KChoice` (the DP's own prediction where it was not packed).
 Static batching (``micro_batch_size``) runs the same with a count cap and K fixed by it.
 
@@ -47,7 +48,12 @@ the gap to the bound is mostly the bound's slack. NeMo-RL's sorted buckets pad
 Trade-off: the volume cuts (and the walk, which stopped two K after the first packing until
 issue 20's mid table showed it) cost plan time on small steps: 100 ms median, 909 ms worst on the
 mid steps (``bench_layouts --quick``, ``mid`` rows), for the interleaved slots no boundary move
-reaches (tests/test_padded_bound.py: a 24-sample step 1.037 -> 1.000 of the optimum).
+reaches (tests/test_padded_bound.py: a 24-sample step 1.037 -> 1.000 of the optimum). On the
+large grid the volume-cut starts (now on every step within ``VOLUME_MAX_WORK``, not ≤ 64 samples)
+lower the lockstep time of 5 of 24 steps by up to 0.95% (the dp-8 steps of 128–261 samples,
+where an annealing search had found better plans: ``benchmarks/padded_anneal.py``) and take
+those steps' plan time from 14–33 to 30–77 ms (``bench_layouts --quick --volume-max-work 0``
+against the default, one machine state).
 The DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
 quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
 0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
@@ -63,14 +69,14 @@ from ..cost.models import CostModel
 from ..cost.models import row_costs
 from ..footprint import Padding, round_up
 from ..types import KChoice
-from .padded_levels import VOLUME_POWERS, level_plans, split_to_count, volume_cut
+from .padded_levels import level_plans, split_to_count, volume_cuts, volume_work
 from .padded_search import local_search, predicted_time
 
 __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "runs_for_bins"]
 
 MAX_EVALS = 12    # K values packed per step by the min-max walk
 DEEP = 2          # the best K searched with every move of padded_search.py
-VOLUME_MAX_SAMPLES = 64  # steps this small also start the deep search from padded_levels.volume_cut
+VOLUME_MAX_WORK = 2_000_000  # the deep search also starts from padded_levels.volume_cuts within this work (volume_work)
 
 
 class PaddedSamples(NamedTuple):
@@ -329,10 +335,12 @@ def pack_padded(s: PaddedSamples, *, K0: int, dp: int, align: int, cap: int | No
         got = _best_at(srt, K, dp, caps, pm, sync, runs, minmax=K == lead and K not in found)
         if got is not None and got.time < tried.get(K, float("inf")):
             tried[K], found[K] = got.time, got
-    for K in sorted(found, key=lambda k: tried[k])[:DEEP]:  # every move for the best few K
-        starts = [found[K].bounds]
-        if n <= VOLUME_MAX_SAMPLES and sync == "micro":
-            starts += [volume_cut(srt, min(n, dp * K), caps, bound, p) for p in VOLUME_POWERS]
+    deep = sorted(found, key=lambda k: tried[k])[:DEEP]
+    ms = [min(n, dp * K) for K in deep]
+    cheap = sync == "micro" and volume_work(n, bound, max(ms, default=0)) <= VOLUME_MAX_WORK
+    vol = volume_cuts(srt, ms, caps, bound) if cheap else {}
+    for K in deep:  # every move for the best few K
+        starts = [found[K].bounds] + [b for (m, _), b in vol.items() if m == min(n, dp * K)]
         for start in starts:
             got = None if start is None else _bins_at(srt, min(n, dp * K), dp, K, caps, pm, sync, start=start,
                                                       deep=True)

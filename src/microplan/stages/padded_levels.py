@@ -22,11 +22,12 @@ This module plans *contiguous slots*: slot s takes a segment of the samples sort
 3. Levels: every distinct run cost when there are at most ``EXACT_LEVELS`` (small steps), else
    ``GRID_LEVELS`` quantiles of them.
 
-4. Volume cuts (``volume_cut``, steps of at most 64 samples): exactly dp·K runs minimising
-   Σ (run cost)^p, a DP over (runs, end). Its slots need not be contiguous: p = 0.5 favours a
-   few costly runs beside many cheap ones (mid-length pairs that join the longest singles in
-   slot 0 while the short tail is cut fine), p = 1.5 evens the runs out. ``padded.py`` starts
-   the deep search from both at its two best K.
+4. Volume cuts (``volume_cuts``): exactly dp·K runs minimising Σ (run cost)^p, a DP over
+   (runs, end) vectorised over the ends, every power and K at once. Its slots need not be
+   contiguous: p = 0.5 favours a few costly runs beside many cheap ones (mid-length pairs that
+   join the longest singles in slot 0 while the short tail is cut fine), p = 1.5 evens the runs
+   out. ``padded.py`` starts the deep search from both at its two best K when the DP's work
+   (``volume_work``: (n + 1)·k_max·dp·K per power) is within ``padded.VOLUME_MAX_WORK``.
 
 Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-run of a greedy
 run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
@@ -46,7 +47,7 @@ import numpy as np
 
 from .padded_search import _fit_mask
 
-__all__ = ["LevelPlans", "level_plans", "split_to_count", "volume_cut", "VOLUME_POWERS"]
+__all__ = ["LevelPlans", "level_plans", "split_to_count", "volume_cuts", "volume_work", "VOLUME_POWERS"]
 
 VOLUME_POWERS = (0.5, 1.5)  # volume_cut minimises Σ (run cost)^p: p < 1 favours a few costly runs
 #                            beside many cheap ones, p > 1 evens the runs out (1: the padded volume)
@@ -198,31 +199,66 @@ def level_plans(srt, caps: tuple, bound: np.ndarray, *, dp: int, Ks: list[int], 
     return LevelPlans(times, {K: _runs_of(srt, T, layers, K, dp, bound, caps) for _, K in finite[:keep]})
 
 
-def volume_cut(srt, m: int, caps: tuple, bound: np.ndarray, power: float) -> list[int] | None:
-    """Exactly m runs of the sorted samples minimising Σ (run cost)^power, within the caps (a DP
-    over (runs, end), one vectorised update per start: O(n·m·k_max)); None if no cut has m runs.
-    Unlike the slot levels it does not make slots contiguous: a start for ``padded_search.py``."""
+def volume_work(n: int, bound: np.ndarray, m: int) -> int:
+    """Table entries :func:`volume_cuts` updates for m runs of n samples: (n + 1)·k_max·m per power."""
+    return (n + 1) * int(bound.max(initial=1)) * m * len(VOLUME_POWERS)
+
+
+def _run_table(srt, caps: tuple, bound: np.ndarray) -> np.ndarray:
+    """[n, k_max]: the cost of the run [a, a + k) at [a, k - 1], inf past ``bound[a]`` or a cap."""
     n = srt.n
-    if not 1 <= m <= n:
-        return None
-    f = np.full((m + 1, n + 1), np.inf)
-    f[0, 0] = 0.0
-    arg = np.zeros((m + 1, n + 1), dtype=np.int64)
+    top = int(bound.max(initial=1))
+    a = np.repeat(np.arange(n), top)
+    k = np.tile(np.arange(1, top + 1), n)
+    live = k <= bound[a]
+    a, k = a[live], k[live]
+    ok = _fit_mask(srt, a, a + k, caps)
+    table = np.full((n, top), np.inf)
+    table[a[ok], k[ok] - 1] = srt.run_cost(a[ok], k[ok])
+    return table
+
+
+def volume_cuts(srt, ms: list[int], caps: tuple, bound: np.ndarray,
+                powers: tuple[float, ...] = VOLUME_POWERS) -> dict[tuple[int, float], list[int] | None]:
+    """For every m in ``ms`` and power p: exactly m runs of the sorted samples minimising
+    Σ (run cost)^p within the caps, or None if no cut has m runs. Unlike the slot levels it does not
+    make slots contiguous: a start for ``padded_search.py``.
+
+    One DP over (runs, end) for every power and m at once, vectorised over the ends: layer j
+    holds, for every end e, the least Σ cost^p of j runs covering [0, e), over the run lengths k
+    (``_run_table``); ties keep the smallest start. O((n + 1)·k_max·max(ms)·|powers|) work
+    (:func:`volume_work`); the same cuts as the per-start loop it replaced (plan_hashes unchanged)."""
+    n = srt.n
+    ms = sorted({m for m in ms if 1 <= m <= n})
+    if not ms:
+        return {}
+    table = _run_table(srt, caps, bound)
+    top = table.shape[1]
     scale = float(srt.run_cost(np.array([0]), np.array([1]))[0]) or 1.0
-    for a in range(n):
-        ks = np.arange(1, int(bound[a]) + 1)
-        ks = ks[_fit_mask(srt, np.full(ks.size, a), a + ks, caps)]
-        if ks.size == 0 or not np.isfinite(f[:m, a]).any():
-            continue
-        v = f[:m, a, None] + (srt.run_cost(np.full(ks.size, a), ks) / scale) ** power  # [runs so far, k]
-        cur = f[1:, a + ks]
-        better = v < cur
-        f[1:, a + ks] = np.where(better, v, cur)
-        arg[1:, a + ks] = np.where(better, a, arg[1:, a + ks])
-    if not np.isfinite(f[m, n]):
-        return None
-    b, j = [n], m
-    while j:
-        b.append(int(arg[j, b[-1]]))
-        j -= 1
-    return b[::-1]
+    p = np.asarray(powers, dtype=np.float64)
+    ks = np.arange(top, 0, -1)[None, :]        # k descending: argmin keeps the smallest start
+    start = np.arange(n + 1)[:, None] - ks      # [end, k]: the run's start
+    valid = start >= 0
+    start = np.where(valid, start, 0)
+    step = np.where(valid, table[start, ks - 1], np.inf)
+    step = (step[None] / scale) ** p[:, None, None]  # [power, end, k]
+    f = np.full((p.size, n + 1), np.inf)
+    f[:, 0] = 0.0
+    layers, args = [f], [None]
+    for _ in range(ms[-1]):
+        cand = f[:, start] + step
+        pick = np.argmin(cand, axis=2)[..., None]
+        f = np.take_along_axis(cand, pick, axis=2)[..., 0]
+        layers.append(f)
+        args.append(np.take_along_axis(np.broadcast_to(start, cand.shape), pick, axis=2)[..., 0])
+    out: dict[tuple[int, float], list[int] | None] = {}
+    for m in ms:
+        for q, pw in enumerate(powers):
+            if not np.isfinite(layers[m][q, n]):
+                out[m, pw] = None
+                continue
+            b = [n]
+            for j in range(m, 0, -1):
+                b.append(int(args[j][q, b[-1]]))
+            out[m, pw] = b[::-1]
+    return out
