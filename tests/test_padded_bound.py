@@ -245,3 +245,22 @@ def test_volume_cuts_are_the_least_power_sum_of_every_cut(case, m, max_count):
         assert b[0] == 0 and b[-1] == n and b.size == m + 1 and (np.diff(b) > 0).all()
         assert _fit_mask(srt, b[:-1], b[1:], caps).all()
         assert float(((srt.run_cost(b[:-1], np.diff(b)) / scale) ** p).sum()) <= best * (1 + 1e-9)
+
+
+@given(instances(max_n=9), st.sampled_from([None, 1, 2]))
+def test_the_relocation_table_is_every_run_within_the_caps(case, max_count):
+    # padded_search._run_table (vectorised) against the run-by-run check: the cost of [a, e) where
+    # it keeps the caps, inf elsewhere (empty, reversed or over a cap)
+    from microplan.stages.padded_search import _fits, _run_table
+    if (got := _sorted_case(case)) is None:
+        return
+    srt, lens, *_ = got
+    caps = (case[2], max_count, None)
+    C = _run_table(srt, caps)
+    n = lens.size
+    for a in range(n + 1):
+        for e in range(n + 1):
+            if e > a and _fits(srt, a, e, caps):
+                assert C[a, e] == srt.run_cost(np.array([a]), np.array([e - a]))[0]
+            else:
+                assert C[a, e] == np.inf

@@ -230,11 +230,10 @@ def _run_table(srt: _Sorted, caps: tuple) -> np.ndarray:
     n = srt.n
     a, e = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
     ok = e > a
+    a, e = a[ok], e[ok]
+    fit = _fit_mask(srt, a, e, caps)
     C = np.full((n + 1, n + 1), np.inf)
-    C[ok] = srt.run_cost(a[ok], e[ok] - a[ok])
-    for i, j in zip(*np.nonzero(ok)):
-        if not _fits(srt, int(i), int(j), caps):
-            C[i, j] = np.inf
+    C[a[fit], e[fit]] = srt.run_cost(a[fit], e[fit] - a[fit])
     return C
 
 
