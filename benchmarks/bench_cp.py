@@ -28,8 +28,14 @@ fixed-CP plan under that truth; ``split`` = share of the samples that fit one GP
 runs split over a CP group (fixed CP splits all of them; dynamic CP splits one only where its
 layout is predicted faster: the layout that splits none is always one of its candidates).
 
-Run: ``python -m benchmarks.bench_cp [--quick]``. Prints the table and writes
-``benchmarks/results/cp-<date>-<host>.{json,png}``.
+``--nodes``: CP groups up to 16 wide on nodes of 8 GPUs, the truth NVLink inside a node and
+InfiniBand across (``CPCost.node_size``), on the long-context family (samples up to 8 GPUs long)
+and on straggler steps (one 100k–131k sample among short ones); dynamic CP planned with a
+one-rate cost (the node's rate, or the network's) and with both tiers, each scored under the
+truth against the best plan of the case, with the share of its CP groups that cross a node.
+
+Run: ``python -m benchmarks.bench_cp [--quick] [--nodes]``. Prints the table and writes
+``benchmarks/results/cp-<date>-<host>.{json,png}`` (``cp-nodes-<date>-<host>.json``).
 """
 
 from __future__ import annotations
@@ -138,6 +144,82 @@ def run_case(max_len: int, cap: int, G: int, seed: int, scenario: str, cost, tru
     return rows
 
 
+NODE = 8  # GPUs per node in the ``--nodes`` scenario
+NODE_CAP = 16384
+NODE_SPG = (1, 2, 4, 8, 16, 32)  # long-context samples per GPU, cycled by seed
+STRAGGLER_SPG = (1, 2, 4)        # straggler steps: samples per GPU, cycled by seed
+
+
+def node_costs(base: mp.FlopsCost) -> tuple[dict[str, mp.FlopsCost], mp.FlopsCost]:
+    """``--nodes``: planners' costs (one rate, the node's or the network's, or both tiers) and the hidden truth
+    (NVLink inside a node of 8, InfiniBand across, the ``nvlink`` scenario's truth otherwise)."""
+    pm = base.per_micro
+    truth = replace(base, cp=_cp(1.5e11, overlap=0.5, efficiency=0.9, split_overhead=0.5 * pm, node_size=NODE,
+                                 cross_node_bandwidth=2.5e10))
+    return {"one rate, NVLink": replace(base, cp=_cp(3e11, overlap=0.0, efficiency=0.95)),
+            "one rate, IB": replace(base, cp=_cp(4e10, overlap=0.0, efficiency=0.95)),
+            "two tiers": replace(base, cp=_cp(3e11, overlap=0.0, efficiency=0.95, node_size=NODE,
+                                              cross_node_bandwidth=4e10))}, truth
+
+
+def node_steps(G: int, seed: int) -> dict[str, mp.Batch]:
+    """``--nodes`` steps: the long-context family with samples up to 8 GPUs long, and a straggler step (one
+    sample of 100k–131k tokens among short ones of 0.5k–8k: the long trajectory of an agentic step)."""
+    rng = np.random.default_rng(seed)
+    n = G * STRAGGLER_SPG[seed % len(STRAGGLER_SPG)]
+    straggler = np.r_[rng.integers(100_000, 131_000, 1), rng.integers(500, 8_000, n - 1)]
+    return {"long-context": make_step("long-context", G, NODE_SPG[seed % len(NODE_SPG)], seed,
+                                      max_len=8 * (NODE_CAP - 2)),
+            "straggler": mp.Batch(straggler.tolist())}
+
+
+def run_nodes_case(family: str, batch: mp.Batch, G: int, seed: int, costs: dict, truth) -> list[dict]:
+    """Dynamic CP <= 2·NODE on a plane of G GPUs in nodes of NODE, planned with each cost and scored under the
+    truth; fixed CP NODE and 2·NODE planned with the two-tier cost as references."""
+    cfgs = {f"dynamic <= {2 * NODE}, {name}": mp.PlanConfig(
+        dp_size=G, max_tokens_per_micro=NODE_CAP, cost=cost, context_parallel=mp.ContextParallel(max_size=2 * NODE))
+        for name, cost in costs.items()}
+    for c in (NODE, 2 * NODE):
+        cfgs[f"fixed CP {c}, two tiers"] = mp.PlanConfig(dp_size=G // c, max_tokens_per_micro=NODE_CAP,
+                                                         cost=costs["two tiers"], context_parallel=mp.ContextParallel(size=c))
+    rows = []
+    for name, cfg in cfgs.items():
+        plan = mp.plan(batch, cfg)
+        plan.validate()
+        wide = [m.cp_size > NODE for s in plan.steps for row in s.micros for m in row if m.cp_rank == 0]
+        rows.append(dict(family=family, G=G, seed=seed, samples=batch.num_samples, config=name,
+                         truth=time_under(plan, truth), pred=time_under(plan, cfg.cost),
+                         cross_node=float(np.mean(wide)), K=plan.stats.micro_count))
+    best = min(r["truth"] for r in rows)
+    for r in rows:
+        r["truth_vs_best"] = r["truth"] / best
+    return rows
+
+
+def nodes_main(quick: bool, write: bool) -> dict:
+    base = dense_7b_cost()
+    costs, truth = node_costs(base)
+    Gs, seeds = ((32,), range(6)) if quick else ((32, 64, 128), range(12))
+    rows = [r for G in Gs for seed in seeds for fam, batch in node_steps(G, seed).items()
+            for r in run_nodes_case(fam, batch, G, seed, costs, truth)]
+    print(f"CP groups across nodes of {NODE} GPUs (truth: NVLink 150 GB/s inside, InfiniBand 25 GB/s across); "
+          f"planes of {'/'.join(map(str, Gs))} GPUs x seeds {seeds.start}-{seeds.stop - 1}; time under the truth / "
+          "the best plan of the case, median/worst; cross-node: share of CP groups wider than a node, median/worst")
+    print(f"{'family':<14}{'plan':<34}{'truth/best':>18}{'cross-node':>14}")
+    for fam in ("long-context", "straggler"):
+        for name in dict.fromkeys(r["config"] for r in rows):
+            rs = [r for r in rows if r["config"] == name and r["family"] == fam]
+            t = [r["truth_vs_best"] for r in rs]
+            x = [r["cross_node"] for r in rs]
+            print(f"{fam:<14}{name:<34}{np.median(t):>9.4f}/{max(t):.4f}{np.median(x):>8.0%}/{max(x):.0%}")
+    result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=quick, node=NODE,
+                  cap=NODE_CAP, costs={k: c.to_dict() for k, c in costs.items()}, truth=truth.to_dict(),
+                  planes=list(Gs), seeds=list(seeds), rows=rows)
+    if write:
+        print(f"wrote {save_json('cp-nodes', result)}.json")
+    return result
+
+
 def _mixed(plan: mp.Plan) -> float:
     return float(np.mean([any(len({row[m].cp_size for row in s.micros}) > 1 for m in range(s.micro_count))
                           for s in plan.steps]))
@@ -212,7 +294,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="planes of 8 and 32 GPUs, 3 seeds")
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--nodes", action="store_true",
+                    help=f"CP groups up to {2 * NODE} wide on nodes of {NODE}: one-rate vs two-tier CP cost")
     args = ap.parse_args(argv)
+    if args.nodes:
+        return nodes_main(args.quick, not args.no_write)
     Gs, seeds = ((8, 32), range(3)) if args.quick else ((8, 32, 128), range(6))
     base = dense_7b_cost()
     scen = scenarios(base)

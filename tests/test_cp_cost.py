@@ -65,12 +65,59 @@ def test_cp_term_from_an_hf_config_and_bandwidth():
         CPCost.from_hf_config(LLAMA3_8B, bandwidth=0, units_per_second=1.0)
 
 
+def test_a_group_wider_than_a_node_pays_the_cross_node_rate():
+    cp = CPCost(comm_per_token=0.5, overlap=0.25, efficiency=0.8, split_overhead=3.0, node_size=4,
+                cross_node_comm_per_token=4.0)
+    one = replace(cp, node_size=None, cross_node_comm_per_token=None)
+    mc, T = np.array([108.0, 48.0]), np.array([40.0, 200.0])
+    for w in (2, 4):  # inside a node: the one-rate price
+        assert np.array_equal(cp_micro_costs(replace(BASE, cp=cp), mc, T, w), cp_micro_costs(replace(BASE, cp=one), mc, T, w))
+    compute, comm = (mc - 8.0) / (8 * 0.8), 4.0 * T * 7 / 8
+    want = compute + comm - 0.25 * np.minimum(compute, comm) + 3.0 + 8.0
+    assert np.allclose(cp_micro_costs(replace(BASE, cp=cp), mc, T, 8), want)
+    assert np.array_equal(cp.comm_rates(np.array([1, 2, 4, 8, 16])), [0.5, 0.5, 0.5, 4.0, 4.0])
+    assert "wider than 4 GPUs" in cp.describe() and cp.to_dict()["node_size"] == 4
+    assert "node_size" not in one.to_dict()  # a one-rate term serialises as before
+    for bad, match in (({"node_size": 4}, "go together"), ({"cross_node_comm_per_token": 2.0}, "go together"),
+                       ({"node_size": 0, "cross_node_comm_per_token": 2.0}, "node_size"),
+                       ({"node_size": 4, "cross_node_comm_per_token": 0.1}, "below comm_per_token")):
+        with pytest.raises(mp.PlanError, match=match):
+            CPCost(comm_per_token=0.5, **bad)
+    per_pass = 2 * 8 * 128 * 32 * 2
+    hf = mp.FlopsCost.from_hf_config(LLAMA3_8B, cp_bandwidth=3e11, cp_node_size=8, cp_cross_node_bandwidth=4e10)
+    assert hf.cp.node_size == 8
+    assert hf.cp.cross_node_comm_per_token == pytest.approx(2 * per_pass / 4e10 * 4e14)
+    assert hf.cp.comm_per_token == pytest.approx(2 * per_pass / 3e11 * 4e14)
+    with pytest.raises(mp.PlanError, match="cp_bandwidth"):
+        mp.FlopsCost.from_hf_config(LLAMA3_8B, cp_node_size=8, cp_cross_node_bandwidth=4e10)
+
+
+def test_dynamic_cp_keeps_groups_inside_a_node_when_crossing_is_slow():
+    """A straggler that fits one GPU is split when communication is cheap. With 8-wide groups
+    allowed on nodes of 4 GPUs, a one-rate model widens it past the node; when crossing nodes
+    costs 4,000× more per token, its group stays inside a node (and is still split)."""
+    lens = [64, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8, 8]
+    attn = mp.FlopsCost(linear=1.0, quadratic=1.0, per_micro=1.0)
+    one = replace(attn, cp=CPCost(comm_per_token=0.01))
+    tiers = replace(attn, cp=CPCost(comm_per_token=0.01, node_size=4, cross_node_comm_per_token=40.0))
+    width = {}
+    for name, cost in (("one", one), ("tiers", tiers)):
+        plan = mp.plan(mp.Batch(lens), _cfg(8, 64, "micro", cost, mp.ContextParallel(max_size=8)))
+        plan.validate()
+        width[name] = max(m.cp_size for s in plan.steps for row in s.micros for m in row if 0 in m.indices)
+    assert width["one"] == 8 and 1 < width["tiers"] <= 4
+
+
 def test_cp_term_round_trips_through_the_plan_json():
     cost = replace(BASE, cp=CPCost(comm_per_token=0.3, overlap=0.5, efficiency=0.9, split_overhead=2.0))
     cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=64, cost=cost, context_parallel=mp.ContextParallel(max_size=4))
     plan = mp.plan(mp.Batch([200, 30, 20, 10, 9, 8, 7, 6, 5, 4]), cfg)
     back = mp.Plan.from_json(plan.to_json())
     assert back.config.cost == cost and back.fingerprint() == plan.fingerprint()
+    tiered = replace(cost, cp=replace(cost.cp, node_size=2, cross_node_comm_per_token=1.5))
+    plan = mp.plan(mp.Batch([200, 30, 20, 10, 9, 8, 7, 6, 5, 4]), replace(cfg, cost=tiered))
+    back = mp.Plan.from_json(plan.to_json())
+    assert back.config.cost == tiered and back.fingerprint() == plan.fingerprint()
     assert "CP: comm" in cost.describe()
     assert mp.cost.cost_from_dict(BASE.to_dict()) == BASE and "cp" not in BASE.to_dict()
 
@@ -92,9 +139,12 @@ def test_stats_price_every_cp_micro_batch_with_the_one_function():
 def priced_cases(draw):
     """test_dynamic_cp's plane, lengths and sync, priced with a random CP term."""
     D, cmax, cap, lens, sync = draw(dynamic_cases())
-    cp = CPCost(comm_per_token=draw(st.sampled_from([0.0, 0.1, 1.0, 10.0])),
+    comm = draw(st.sampled_from([0.0, 0.1, 1.0, 10.0]))
+    node = draw(st.sampled_from([None, 1, 2, 4]))  # a group wider than a node pays a cross-node rate
+    cp = CPCost(comm_per_token=comm,
                 overlap=draw(st.sampled_from([0.0, 0.5, 1.0])), efficiency=draw(st.sampled_from([1.0, 0.9, 0.6])),
-                split_overhead=draw(st.sampled_from([0.0, 4.0, 50.0])))
+                split_overhead=draw(st.sampled_from([0.0, 4.0, 50.0])), node_size=node,
+                cross_node_comm_per_token=None if node is None else comm * draw(st.sampled_from([1.0, 8.0])) + 0.5)
     return D, cmax, cap, lens, sync, replace(BASE, cp=cp)
 
 
@@ -225,6 +275,37 @@ def test_meter_keeps_the_prior_cp_term_when_the_records_cannot_fit_it():
     assert fit.cp.efficiency == PRIOR.cp.efficiency
 
 
+def test_meter_keeps_the_priors_cross_node_ratio():
+    """Dynamic-CP micro-batches up to 4 wide on nodes of 2 GPUs, timed under a truth whose
+    cross-node rate is 6× its node rate; the prior knows the ratio, not the scale. The fitted term
+    carries the prior's ratio and prices a new step's micro-batches, 4-wide ones included, within 5 %."""
+    from microplan.traces import generate
+    truth_cp = replace(TRUTH.cp, node_size=2, cross_node_comm_per_token=6 * TRUTH.cp.comm_per_token)
+    truth = replace(TRUTH, cp=truth_cp)
+    prior = replace(PRIOR, cp=replace(PRIOR.cp, node_size=2, cross_node_comm_per_token=6 * PRIOR.cp.comm_per_token))
+    rng = np.random.default_rng(3)
+    meter = mp.CostMeter(prior=prior)
+
+    def seconds(m):
+        whole = truth.micro_cost(m.seq_lens if m.indices.size else [1])
+        return float(cp_micro_costs(truth, whole, max(m.num_tokens, 1), m.cp_size)) * (1 + 0.02 * rng.standard_normal())
+    for step in range(3):
+        plan = mp.plan(generate("long-context", num_prompts=16, samples_per_prompt=8, max_len=32768, seed=step),
+                       _cfg_dyn(meter.cost()))
+        for m in (m for s in plan.steps for row in s.micros for m in row):
+            meter.record(m, seconds(m))
+    fit = meter.cost().cp
+    assert fit.node_size == 2 and fit.cross_node_comm_per_token == pytest.approx(6 * fit.comm_per_token)
+    plan = mp.plan(generate("long-context", num_prompts=16, samples_per_prompt=8, max_len=32768, seed=10),
+                   _cfg_dyn(meter.cost()))
+    micros = [m for s in plan.steps for row in s.micros for m in row if m.indices.size]
+    assert any(m.cp_size == 4 for m in micros)
+    cost = meter.cost()
+    errs = [abs(float(cp_micro_costs(cost, cost.micro_cost(m.seq_lens), m.num_tokens, m.cp_size))
+                / float(cp_micro_costs(truth, truth.micro_cost(m.seq_lens), m.num_tokens, m.cp_size)) - 1) for m in micros]
+    assert max(errs) < 0.05, max(errs)
+
+
 def test_meter_says_when_every_record_was_split():
     rng = np.random.default_rng(2)
     meter = mp.CostMeter(prior=PRIOR)
@@ -260,3 +341,23 @@ def test_profile_cost_fits_the_cp_term_on_timed_cp_micro_batches():
         assert got == pytest.approx(want, rel=0.02)
     with pytest.raises(mp.PlanError, match="run_cp_micro"):
         profile_cost(run, max_tokens_per_micro=1024, clock=lambda: clock["t"], cp_sizes=(2,))
+
+
+def test_bench_cp_nodes_scores_the_tiers_under_the_truth():
+    # benchmarks/bench_cp.py --nodes on one small straggler step: every plan valid and scored, and
+    # the two-tier plan, which sees the node boundary, no slower under the truth than either one-rate plan
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    from benchmarks.bench_cp import node_costs, run_nodes_case
+    from benchmarks.metrics import dense_7b_cost
+    costs, truth = node_costs(dense_7b_cost())
+    lens = [120_000] + [500 + 250 * i for i in range(31)]
+    rows = {r["config"]: r for r in run_nodes_case("straggler", mp.Batch(lens), 16, 0, costs, truth)}
+    tiers = rows["dynamic <= 16, two tiers"]
+    assert tiers["truth"] <= rows["dynamic <= 16, one rate, NVLink"]["truth"] * (1 + 1e-9)
+    assert tiers["truth"] <= rows["dynamic <= 16, one rate, IB"]["truth"] * (1 + 1e-9)
+    assert rows["fixed CP 16, two tiers"]["cross_node"] == 1.0 and min(r["truth_vs_best"] for r in rows.values()) == 1.0
+    # at the node's rate the straggler's group spans two nodes; with the tiers it stays in one
+    assert rows["dynamic <= 16, one rate, NVLink"]["cross_node"] > 0 and tiers["cross_node"] == 0
+    assert tiers["truth"] < rows["dynamic <= 16, one rate, NVLink"]["truth"] * 0.9

@@ -15,7 +15,11 @@ gradients in backward). Per GPU, :func:`cp_micro_costs` prices it as::
   interconnect, in the cost's own units: bytes per token = 2 · kv_heads · head_dim · dtype_bytes ·
   layers · passes (forward all-gather + backward reduce-scatter), ÷ bandwidth (bytes/s) gives
   seconds, × ``units_per_second`` (1 for a cost in seconds; the GEMM rate in FLOP/s for a cost in
-  FLOPs) gives cost units (:meth:`CPCost.from_hf_config`).
+  FLOPs) gives cost units (:meth:`CPCost.from_hf_config`). With ``node_size`` (GPUs of one fast
+  domain, e.g. 8 on NVLink) a group wider than a node pays ``cross_node_comm_per_token`` instead:
+  its ring crosses the slower inter-node links, which set its pace. Exact for the planner's
+  groups (contiguous, width-aligned rank ranges of power-of-two widths, plane ranks numbered
+  node-major) when ``node_size`` is a multiple of every width at most it.
 - ``overlap`` ∈ [0, 1]: the share of the shorter of compute and communication hidden under the
   longer: 0 = serial (microplan.torch gathers before attending), 1 = max(compute, comm).
 - ``efficiency`` ∈ (0, 1]: per-GPU compute efficiency of a split micro-batch (shorter GEMMs and
@@ -26,9 +30,9 @@ perfect scaling, the model microplan planned with before this term existed.
 
 Guarantees: this is the ONE formula every caller prices a CP micro-batch with (K choice,
 fixed and dynamic CP, stats, summary); every term is >= 0 and ``cost >= body / c + per_micro``,
-so the lower bounds that assume perfect scaling stay lower bounds. Trade-off: one bandwidth for
-every width (a group spanning nodes is slower per byte than one inside a node) keeps the model
-four numbers that the meter can fit from a few dozen timed CP micro-batches.
+so the lower bounds that assume perfect scaling stay lower bounds. Trade-off: the meter fits one
+communication rate (``cost/cpfit.py``); a cross-node rate keeps the prior's ratio to it, so the
+model stays four fitted numbers that a few dozen timed CP micro-batches pin down.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from .._checks import float_field
+from .._checks import float_field, int_field
 from ..errors import PlanError
 
 __all__ = ["CPCost", "cp_micro_costs", "cp_work_floor", "DEFAULT_CP_EFFICIENCY", "DEFAULT_CP_OVERLAP", "DEFAULT_GPU_FLOPS"]
@@ -65,12 +69,19 @@ class CPCost:
         overlap: share (0..1) of the shorter of compute and communication hidden under the longer.
         efficiency: per-GPU compute efficiency (0 < e <= 1) of a split micro-batch.
         split_overhead: fixed cost units per GPU of a split micro-batch. >= 0.
+        node_size: GPUs of one fast interconnect domain (a node); a CP group wider than this
+            crosses nodes. None (default): one rate for every width.
+        cross_node_comm_per_token: ``comm_per_token`` for a group wider than ``node_size`` (the
+            inter-node links, e.g. InfiniBand, set a crossing ring's pace); >= comm_per_token.
+            Given with ``node_size``, never without.
     """
 
     comm_per_token: float
     overlap: float = DEFAULT_CP_OVERLAP
     efficiency: float = DEFAULT_CP_EFFICIENCY
     split_overhead: float = 0.0
+    node_size: int | None = None
+    cross_node_comm_per_token: float | None = None
 
     def __post_init__(self) -> None:
         from .models import check_coefficient  # models imports this module
@@ -78,6 +89,20 @@ class CPCost:
             object.__setattr__(self, name, float_field(f"CPCost.{name}", getattr(self, name), minimum=0.0))
         check_coefficient("CPCost.comm_per_token", self.comm_per_token, 1)
         check_coefficient("CPCost.split_overhead", self.split_overhead, 0)
+        if (self.node_size is None) != (self.cross_node_comm_per_token is None):
+            raise PlanError("CPCost.node_size and CPCost.cross_node_comm_per_token go together: pass both (GPUs per "
+                            "node and the cost units per token of a group that crosses nodes) or neither (one rate "
+                            f"for every width); got node_size={self.node_size!r}, "
+                            f"cross_node_comm_per_token={self.cross_node_comm_per_token!r}.")
+        if self.node_size is not None:
+            object.__setattr__(self, "node_size", int_field("CPCost.node_size", self.node_size, minimum=1))
+            x = float_field("CPCost.cross_node_comm_per_token", self.cross_node_comm_per_token, minimum=0.0)
+            check_coefficient("CPCost.cross_node_comm_per_token", x, 1)
+            if x < self.comm_per_token:
+                raise PlanError(f"CPCost.cross_node_comm_per_token={x!r} is below comm_per_token="
+                                f"{self.comm_per_token!r}: a group that crosses nodes moves keys/values no faster "
+                                "than one inside a node; pass the inter-node cost (>= comm_per_token).")
+            object.__setattr__(self, "cross_node_comm_per_token", x)
         if self.overlap > 1.0:
             raise PlanError(f"CPCost.overlap={self.overlap!r} must be within [0, 1] (the share of communication "
                             "hidden under compute); pass 0 for a gather before the attention, 1 for full overlap.")
@@ -85,19 +110,33 @@ class CPCost:
             raise PlanError(f"CPCost.efficiency={self.efficiency!r} must be within (0, 1] (a split micro-batch's "
                             "per-GPU compute efficiency); pass e.g. 0.95, or 1.0 for perfect scaling.")
 
-    def to_dict(self) -> dict[str, float]:
-        return {"comm_per_token": self.comm_per_token, "overlap": self.overlap, "efficiency": self.efficiency,
-                "split_overhead": self.split_overhead}
+    def to_dict(self) -> dict[str, float | int]:
+        out: dict[str, float | int] = {"comm_per_token": self.comm_per_token, "overlap": self.overlap,
+                                       "efficiency": self.efficiency, "split_overhead": self.split_overhead}
+        if self.node_size is not None:
+            out.update(node_size=self.node_size, cross_node_comm_per_token=self.cross_node_comm_per_token)  # type: ignore[arg-type]
+        return out
+
+    def comm_rates(self, width: np.ndarray | int) -> np.ndarray:
+        """Cost units per token moved for groups of ``width`` GPUs: ``comm_per_token``, or
+        ``cross_node_comm_per_token`` where a group is wider than ``node_size``."""
+        w = np.asarray(width)
+        if self.node_size is None:
+            return np.full(w.shape, self.comm_per_token)
+        return np.where(w > self.node_size, self.cross_node_comm_per_token, self.comm_per_token)  # type: ignore[arg-type]
 
     def describe(self) -> str:
         """One line, e.g. ``CP: comm 1.2e+08/token, overlap 0, efficiency 0.95, split_overhead 0``."""
-        return (f"CP: comm {self.comm_per_token:.4g}/token, overlap {self.overlap:.3g}, efficiency "
+        cross = "" if self.node_size is None else \
+            f" ({self.cross_node_comm_per_token:.4g}/token for groups wider than {self.node_size} GPUs)"
+        return (f"CP: comm {self.comm_per_token:.4g}/token{cross}, overlap {self.overlap:.3g}, efficiency "
                 f"{self.efficiency:.3g}, split_overhead {self.split_overhead:.4g}/micro")
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | object, *, bandwidth: float, units_per_second: float,
                        dtype_bytes: float = 2.0, passes: float = 2.0, overlap: float = DEFAULT_CP_OVERLAP,
-                       efficiency: float = DEFAULT_CP_EFFICIENCY, split_overhead: float = 0.0) -> CPCost:
+                       efficiency: float = DEFAULT_CP_EFFICIENCY, split_overhead: float = 0.0,
+                       node_size: int | None = None, cross_node_bandwidth: float | None = None) -> CPCost:
         """The CP term of a model on an interconnect.
 
         Args:
@@ -110,15 +149,20 @@ class CPCost:
             dtype_bytes: bytes per key/value element (2 for bf16).
             passes: K/V volumes moved per training step of a token: 2 (forward all-gather, backward
                 reduce-scatter of the gradients), 1 for a forward-only pass, 3 with recomputation.
-            overlap, efficiency, split_overhead: as the attributes.
+            overlap, efficiency, split_overhead, node_size: as the attributes.
+            cross_node_bandwidth: bytes per second one GPU receives when its group crosses nodes
+                (InfiniBand ~ 4e10 per GPU); given with ``node_size``, never without.
         """
         from .hf import kv_values_per_token
         bw = float_field("CPCost.from_hf_config(bandwidth)", bandwidth, positive=True)
         ups = float_field("CPCost.from_hf_config(units_per_second)", units_per_second, positive=True)
         db = float_field("CPCost.from_hf_config(dtype_bytes)", dtype_bytes, positive=True)
         ps = float_field("CPCost.from_hf_config(passes)", passes, minimum=0.0)
-        per_token = kv_values_per_token(config) * db * ps / bw * ups
-        return cls(comm_per_token=per_token, overlap=overlap, efficiency=efficiency, split_overhead=split_overhead)
+        moved = kv_values_per_token(config) * db * ps  # bytes per token
+        cross = None if cross_node_bandwidth is None else \
+            moved / float_field("CPCost.from_hf_config(cross_node_bandwidth)", cross_node_bandwidth, positive=True) * ups
+        return cls(comm_per_token=moved / bw * ups, overlap=overlap, efficiency=efficiency,
+                   split_overhead=split_overhead, node_size=node_size, cross_node_comm_per_token=cross)
 
 
 def cp_micro_costs(cost: Any, micro_costs: np.ndarray | float, tokens: np.ndarray | float,
@@ -140,7 +184,7 @@ def cp_micro_costs(cost: Any, micro_costs: np.ndarray | float, tokens: np.ndarra
         split = body / w + pm
     else:
         compute = body / (w * cp.efficiency)
-        comm = cp.comm_per_token * np.asarray(tokens, dtype=np.float64) * (w - 1.0) / w
+        comm = cp.comm_rates(w) * np.asarray(tokens, dtype=np.float64) * (w - 1.0) / w
         split = compute + comm - cp.overlap * np.minimum(compute, comm) + cp.split_overhead + pm
     return np.where(w > 1, split, mc)
 
@@ -156,7 +200,7 @@ def cp_work_floor(cost: Any, costs: np.ndarray, lens: np.ndarray, width: np.ndar
     if cp is None:
         return c
     w = np.asarray(width, dtype=np.float64)
-    split = c / cp.efficiency + (1.0 - cp.overlap) * cp.comm_per_token * np.asarray(lens, dtype=np.float64) * (w - 1.0)
+    split = c / cp.efficiency + (1.0 - cp.overlap) * cp.comm_rates(w) * np.asarray(lens, dtype=np.float64) * (w - 1.0)
     return np.where(w > 1, split, c)
 
 

@@ -7,7 +7,9 @@ CP numbers. Steps:
 1. Grid over efficiency (1 … 0.5 in 1/e steps of 0.025), overlap (0, ¼, ½, ¾, 1) and
    comm_per_token (0 and a geometric grid around the size the residuals imply, the prior's value
    included); split_overhead in closed form (weighted least squares, clipped at 0). Records weigh
-   1/y (relative error, as ``calibrate``).
+   1/y (relative error, as ``calibrate``). A prior with a cross-node rate (``node_size``) keeps
+   its ratio: records of groups wider than a node count their tokens at that ratio, and the
+   fitted rate carries it (one rate fitted, however the records split between the tiers).
 2. Among the grid points whose relative error is within ``_NEAR`` of the best (what the records
    cannot tell apart), keep the one nearest the prior: a term the records do not pin down stays
    at the prior, and is named in ``CPFit.prior_terms``.
@@ -64,7 +66,8 @@ def fit_cp(mc: np.ndarray, tokens: np.ndarray, width: np.ndarray, seconds: np.nd
         return CPFit(prior, held, f"CP term from the prior ({why}; the fit needs >= {MIN_CP_RECORDS} of >= 2 shapes)")
     c = width.astype(np.float64)
     body_c = (mc - per_micro) / c
-    x = tokens * (c - 1.0) / c
+    ratio = p.comm_rates(c) / p.comm_per_token if p.comm_per_token > 0 else np.ones_like(c)
+    x = tokens * (c - 1.0) / c * ratio  # a group wider than a node moves at the prior's cross-node ratio
     y = seconds - per_micro
     w2 = 1.0 / (seconds * seconds)              # relative least squares
     resid = y - body_c
@@ -93,7 +96,10 @@ def fit_cp(mc: np.ndarray, tokens: np.ndarray, width: np.ndarray, seconds: np.nd
     loose = (hi[0] > 2.0 * lo[0] and hi[0] > 0.05 * ref, hi[1] - lo[1] > 0.5, hi[2] - lo[2] > 0.1,
              hi[3] - lo[3] > 0.5 * max(h, 0.05 * scale_h))
     held = tuple(t for t, unknown in zip(TERMS, loose) if unknown)
-    cp = CPCost(comm_per_token=k, overlap=o, efficiency=min(e, 1.0), split_overhead=h)
+    cross = None if p.node_size is None else k * (p.cross_node_comm_per_token / p.comm_per_token  # type: ignore[operator]
+                                                  if p.comm_per_token > 0 else 1.0)
+    cp = CPCost(comm_per_token=k, overlap=o, efficiency=min(e, 1.0), split_overhead=h, node_size=p.node_size,
+                cross_node_comm_per_token=cross)
     rel = float(np.sqrt(E[best] / n))
     note = f"CP term fitted on {n} split micro-batches (rms error {rel:.1%})"
     if held:

@@ -357,8 +357,10 @@ class CostMeter:
     def _with_cp(self, base: FlopsCost) -> FlopsCost:
         """``base`` with the CP term: fitted on the split records, or the prior's in seconds."""
         pc = getattr(self.prior, "cp", None)
-        prior = None if pc is None else CPCost(comm_per_token=pc.comm_per_token * self._scale, overlap=pc.overlap,
-                                               efficiency=pc.efficiency, split_overhead=pc.split_overhead * self._scale)
+        prior = None if pc is None else CPCost(
+            comm_per_token=pc.comm_per_token * self._scale, overlap=pc.overlap, efficiency=pc.efficiency,
+            split_overhead=pc.split_overhead * self._scale, node_size=pc.node_size,
+            cross_node_comm_per_token=None if pc.node_size is None else pc.cross_node_comm_per_token * self._scale)
         c = np.array(self._c)
         split = c > 1
         if not split.any():

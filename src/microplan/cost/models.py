@@ -331,7 +331,8 @@ class FlopsCost:
     def from_hf_config(cls, config: Mapping[str, Any] | object, *, attention: str = DEFAULT_ATTENTION,
                        per_micro: float | None = None, backward_factor: float = 2.0, causal: bool = True,
                        gated_mlp: bool | None = None, cp_bandwidth: float | None = None,
-                       gpu_flops: float = DEFAULT_GPU_FLOPS) -> FlopsCost:
+                       gpu_flops: float = DEFAULT_GPU_FLOPS, cp_node_size: int | None = None,
+                       cp_cross_node_bandwidth: float | None = None) -> FlopsCost:
         """Predicted forward(+backward) cost of a micro-batch, in GEMM-FLOP-equivalents, from a config.
 
         Args:
@@ -362,6 +363,9 @@ class FlopsCost:
                 efficiency); None (default): no CP term (perfect CP scaling).
             gpu_flops: FLOP/s that turn the communication seconds into this model's FLOP units
                 (default ``DEFAULT_GPU_FLOPS`` = 400 TFLOP/s); only read with ``cp_bandwidth``.
+            cp_node_size, cp_cross_node_bandwidth: GPUs per node and the bytes per second a GPU
+                receives when its CP group crosses nodes (~4e10 InfiniBand): a group wider than a
+                node pays that rate (``CPCost.node_size``); both or neither, with ``cp_bandwidth``.
 
         Returns:
             A plain :class:`FlopsCost` (serialises through ``to_dict``).
@@ -382,8 +386,13 @@ class FlopsCost:
             quad, packed = attn, 0.0
         pm = DEFAULT_PER_MICRO_TOKENS * linear if per_micro is None else \
             float_field("FlopsCost.from_hf_config(per_micro)", per_micro, minimum=0.0)
+        if cp_bandwidth is None and (cp_node_size is not None or cp_cross_node_bandwidth is not None):
+            raise PlanError("FlopsCost.from_hf_config: cp_node_size / cp_cross_node_bandwidth describe the CP "
+                            "interconnect across nodes and need cp_bandwidth (the rate inside a node) too; pass "
+                            "cp_bandwidth=..., or drop them for no CP term.")
         cp = None if cp_bandwidth is None else CPCost.from_hf_config(
-            config, bandwidth=cp_bandwidth, units_per_second=gpu_flops, passes=1.0 if bf == 0 else 2.0)
+            config, bandwidth=cp_bandwidth, units_per_second=gpu_flops, passes=1.0 if bf == 0 else 2.0,
+            node_size=cp_node_size, cross_node_bandwidth=cp_cross_node_bandwidth)
         return cls(linear=linear, quadratic=quad, per_micro=pm, packed_quadratic=packed, cp=cp)
 
 

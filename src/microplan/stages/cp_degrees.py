@@ -85,7 +85,7 @@ def cp_increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.nd
     w = width.astype(np.float64)
     split = w > 1
     return (np.where(split, 1.0 / (w * cp.efficiency), 1.0),
-            np.where(split, (1.0 - cp.overlap) * cp.comm_per_token * (w - 1.0) / w, 0.0))
+            np.where(split, (1.0 - cp.overlap) * cp.comm_rates(w) * (w - 1.0) / w, 0.0))
 
 
 def _split_room(lens: np.ndarray, segs: np.ndarray, cfg: PlanConfig) -> tuple[np.ndarray, np.ndarray]:
