@@ -264,3 +264,29 @@ def test_the_relocation_table_is_every_run_within_the_caps(case, max_count):
                 assert C[a, e] == srt.run_cost(np.array([a]), np.array([e - a]))[0]
             else:
                 assert C[a, e] == np.inf
+
+
+def _split_to_count_reference(srt, b, m):
+    """padded_levels.split_to_count as first written: rescan every run, split the costliest
+    multi-sample one (the earliest on ties) in half, until there are m runs."""
+    b = list(b)
+    while len(b) - 1 < m:
+        starts, ends = np.array(b[:-1]), np.array(b[1:])
+        k = ends - starts
+        c = np.where(k > 1, srt.run_cost(starts, np.maximum(k, 1)), -1.0)
+        j = int(np.argmax(c))
+        b.insert(j + 1, int(starts[j] + k[j] // 2))
+    return b
+
+
+@given(instances(max_n=9), st.data())
+def test_split_to_count_is_the_rescanning_reference(case, data):
+    from microplan.stages.padded_levels import split_to_count
+    if (got := _sorted_case(case)) is None:
+        return
+    srt, lens, *_ = got
+    n = lens.size
+    inner = data.draw(st.sets(st.integers(1, max(n - 1, 1)), max_size=n - 1)) if n > 1 else set()
+    b = sorted({0, n} | inner)
+    m = data.draw(st.integers(len(b) - 1, n))
+    assert split_to_count(srt, b, m) == _split_to_count_reference(srt, b, m)

@@ -41,6 +41,7 @@ O(S·|T|·n) for S slots: 10–110 ms at n = 0.1–2k (2 cores, shared).
 
 from __future__ import annotations
 
+import heapq
 from typing import NamedTuple
 
 import numpy as np
@@ -163,14 +164,30 @@ def _greedy_from(srt, tau: float, bound: np.ndarray, caps: tuple, i: int, e: int
 def split_to_count(srt, b: list[int], m: int) -> list[int]:
     """Split the costliest multi-sample runs of the boundaries b in two until there are m runs
     (splitting never breaks a cap)."""
-    b = list(b)
-    while len(b) - 1 < m:
-        starts, ends = np.array(b[:-1]), np.array(b[1:])
-        k = ends - starts
-        c = np.where(k > 1, srt.run_cost(starts, np.maximum(k, 1)), -1.0)
-        j = int(np.argmax(c))
-        b.insert(j + 1, int(starts[j] + k[j] // 2))
-    return b
+    need = m - (len(b) - 1)
+    if need <= 0:
+        return list(b)
+    starts, ends = np.array(b[:-1]), np.array(b[1:])
+    k = ends - starts
+    multi = k > 1
+    cost = np.full(k.size, -1.0)
+    cost[multi] = srt.run_cost(starts[multi], k[multi])
+    heap = [(-c, a, e) for c, a, e in zip(cost.tolist(), starts.tolist(), ends.tolist()) if c >= 0.0]
+    heapq.heapify(heap)  # costliest first; a tie goes to the earlier run, as an argmax over the runs in order
+    cuts = []
+    while need and heap:
+        _, a, e = heapq.heappop(heap)
+        mid = a + (e - a) // 2
+        cuts.append(mid)
+        need -= 1
+        halves = [(a, mid), (mid, e)]
+        live = [(x, y) for x, y in halves if y - x > 1]
+        if live:
+            lo = np.array([x for x, _ in live])
+            c = srt.run_cost(lo, np.array([y for _, y in live]) - lo).tolist()
+            for (x, y), cx in zip(live, c):
+                heapq.heappush(heap, (-cx, x, y))
+    return sorted(b + cuts)
 
 
 def level_plans(srt, caps: tuple, bound: np.ndarray, *, dp: int, Ks: list[int], per_micro: float,
