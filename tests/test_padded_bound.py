@@ -290,3 +290,23 @@ def test_split_to_count_is_the_rescanning_reference(case, data):
     b = sorted({0, n} | inner)
     m = data.draw(st.integers(len(b) - 1, n))
     assert split_to_count(srt, b, m) == _split_to_count_reference(srt, b, m)
+
+
+@given(st.integers(1, 6), st.integers(1, 12), st.data())
+def test_lockstep_with_two_changes_is_the_sorted_rows_time(D, K, data):
+    # padded_search._lockstep_two_changed (slot heads read off one sorted base row) against sorting
+    # every changed row (``_lockstep``), ties included: the same sums, bit for bit
+    from microplan.stages.padded_search import _lockstep, _lockstep_two_changed
+    M = D * K
+    if M < 2:
+        return
+    vals = st.sampled_from([0.0, 0.25, 0.5, 1.0, 1.5]) | st.floats(0.0, 2.0, allow_nan=False)
+    c = np.array(data.draw(st.lists(vals, min_size=M, max_size=M)))
+    C = data.draw(st.integers(1, 8))
+    i1 = np.array(data.draw(st.lists(st.integers(0, M - 1), min_size=C, max_size=C)))
+    i2 = (i1 + np.array(data.draw(st.lists(st.integers(1, M - 1), min_size=C, max_size=C)))) % M
+    v1 = np.array(data.draw(st.lists(vals, min_size=C, max_size=C)))
+    v2 = np.array(data.draw(st.lists(vals, min_size=C, max_size=C)))
+    V = np.tile(c, (C, 1))
+    V[np.arange(C), i1], V[np.arange(C), i2] = v1, v2
+    assert np.array_equal(_lockstep_two_changed(c, D, i1, v1, i2, v2), _lockstep(V, D))
