@@ -70,11 +70,23 @@ def options(draw):
                 static=draw(st.booleans()) if refusable or not share else False,
                 cp=draw(st.sampled_from(cps)), cap=draw(st.integers(8, 300)),
                 steps=draw(st.sampled_from([None, 1, 2])), loss=draw(st.sampled_from(["token-mean", "prompt-mean"])),
-                hedged=draw(st.booleans()))
+                hedged=draw(st.booleans()), priced=draw(st.sampled_from([None, "one rate", "nodes"])))
 
 
 #: a cost whose attention is known to ±20 % (what CostMeter hands out): the hedged pass runs
 HEDGED = mp.FlopsCost(linear=1.0, quadratic=1e-2, per_micro=4.0, attention_rel_sd=0.2)
+#: CP priced: one rate, or a node of one GPU so that every split group crosses nodes at 10x the rate
+PRICED = {"one rate": mp.CPCost(comm_per_token=0.2, efficiency=0.9, split_overhead=2.0),
+          "nodes": mp.CPCost(comm_per_token=0.2, efficiency=0.9, split_overhead=2.0, node_size=1,
+                             cross_node_comm_per_token=2.0)}
+
+
+def _cost(o):
+    if o["priced"] is None:
+        return {"cost": HEDGED} if o["hedged"] else {}
+    base = HEDGED if o["hedged"] else mp.FlopsCost(linear=1.0, quadratic=1e-2, per_micro=4.0)
+    return {"cost": mp.FlopsCost(linear=base.linear, quadratic=base.quadratic, per_micro=base.per_micro,
+                                 attention_rel_sd=base.attention_rel_sd, cp=PRICED[o["priced"]])}
 
 
 def _config(o, dp):
@@ -86,7 +98,7 @@ def _config(o, dp):
         pad_row_to_multiple_of=o["row"], max_vision_tokens_per_micro=60 if o["vcap"] else None,
         pipeline_stages=o["pipe"], align=o["align"], short_step=o["short"], context_parallel=cp,
         steps=None if o["steps"] is None else mp.Steps(prompts_per_step=o["steps"]), loss=mp.Loss(o["loss"]),
-        **({"cost": HEDGED} if o["hedged"] else {}))
+        **_cost(o))
 
 
 def _held(m: mp.Micro, b: mp.Batch, cfg: mp.PlanConfig) -> int:
@@ -156,6 +168,8 @@ def test_every_option_combination_plans_or_is_refused_by_the_table(bd, o):
         return
     plan.validate()
     _recount(plan, b, cfg)
+    st_ = plan.stats  # the bound stays a bound whatever composes (a priced CP split counts its GPU-time)
+    assert st_.time_lower_bound <= st_.predicted_time * (1 + 1e-9)
     event("planned")
 
 
