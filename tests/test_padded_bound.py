@@ -310,3 +310,23 @@ def test_lockstep_with_two_changes_is_the_sorted_rows_time(D, K, data):
     V = np.tile(c, (C, 1))
     V[np.arange(C), i1], V[np.arange(C), i2] = v1, v2
     assert np.array_equal(_lockstep_two_changed(c, D, i1, v1, i2, v2), _lockstep(V, D))
+
+
+@given(st.lists(st.integers(1, 64), min_size=1, max_size=30), st.data())
+def test_warm_started_longest_runs_equal_a_cold_search(lens, data):
+    # padded._max_run keeps the runs it found per τ and starts later searches between the nearest
+    # ones (the longest run within τ is monotone in τ): every answer equals a fresh search's
+    from microplan.footprint import Padding
+    from microplan.stages import padded as P
+    L = np.array(lens)
+    prompts = np.array(data.draw(st.lists(st.integers(0, 63), min_size=L.size, max_size=L.size))) % L
+    cap = data.draw(st.integers(int(L.max()), 400))
+    cost = mp.FlopsCost(linear=1.0, quadratic=data.draw(st.sampled_from([0.0, 0.05])), per_micro=1.0)
+
+    def fresh():
+        return P._Sorted(P.PaddedSamples(L, prompts, None, None, Padding(layout="padded-2d")), cost)
+    warm = fresh()
+    bound = P._cap_bound(warm, cap, None, None)
+    for tau in data.draw(st.lists(st.floats(1.0, 5000.0), min_size=1, max_size=12)):
+        got = P._max_run(warm, tau, bound, cap)
+        assert np.array_equal(got, P._max_run(fresh(), tau, bound, cap))

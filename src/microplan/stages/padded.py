@@ -13,7 +13,9 @@ length). Two ways to cut them, each polished by ``padded_search.py``:
 1. Min-max runs for m bins: a bisection on a cost target τ; from each run start a, the run takes
    the most samples whose padded cost stays <= τ and whose footprint (and vision tokens) stay
    under the caps (vectorised for every start at once; sparse-table range maxima for the 2D
-   width). The smallest τ whose runs number <= m is the min-max partition; runs are split
+   width, whose binary search per start starts between the runs found at the nearest τ already
+   searched: the longest run is monotone in τ). The smallest τ whose runs number <= m is the
+   min-max partition; runs are split
    (costliest first) until there are exactly m. Every micro-batch gets the same budget.
 2. Slot levels (``padded_levels.py``): a DP over the sorted samples gives each slot of dp
    micro-batches its own level (the longest samples alone in slot 0, the short tail cut fine in
@@ -61,6 +63,7 @@ quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (fa
 
 from __future__ import annotations
 
+import bisect
 from typing import NamedTuple
 
 import numpy as np
@@ -76,6 +79,7 @@ __all__ = ["PaddedSamples", "PaddedPacking", "pack_padded", "pack_padded_at", "r
 
 MAX_EVALS = 12    # K values packed per step by the min-max walk
 DEEP = 2          # the best K searched with every move of padded_search.py
+BRACKET_VALUES = 4_000_000  # longest runs kept per step for _max_run's warm starts (2D, vision): 16 MB of int32
 VOLUME_MAX_WORK = 2_000_000  # the deep search also starts from padded_levels.volume_cuts within this work (volume_work)
 
 
@@ -122,6 +126,7 @@ class _Sorted:
         self.vcum = None if vis is None else np.concatenate([[0], np.cumsum(vis[self.order])])
         ex = s.extra_costs
         self.xcum = None if ex is None else np.concatenate([[0.0], np.cumsum(ex[self.order])])
+        self.searched: dict[tuple, tuple[list[float], list[np.ndarray]]] = {}  # _max_run's brackets
 
     @property
     def two_d(self) -> bool:
@@ -194,10 +199,19 @@ def _max_run(srt: _Sorted, tau: float, bound: np.ndarray, cap: int | None) -> np
         return np.clip(closed, 1, bound)
     n = srt.n
     a = np.arange(n, dtype=np.int64)
-    lo, hi = np.ones(n, dtype=np.int64), bound.copy()
+    taus, ks = srt.searched.setdefault((bound.tobytes(), cap), ([], []))
+    j = bisect.bisect_left(taus, tau)
+    if j < len(taus) and taus[j] == tau:
+        return ks[j].astype(np.int64)
+    # the longest run within τ is monotone in τ: the nearest τ searched below is feasible, above an upper limit
+    lo = ks[j - 1].astype(np.int64) if j > 0 else np.ones(n, dtype=np.int64)
+    hi = ks[j].astype(np.int64) if j < len(taus) else bound.copy()
     while True:  # binary search the largest k in [lo, hi] within τ (and, in 2D, the cap)
         active = lo < hi
         if not active.any():
+            if (len(taus) + 1) * n <= BRACKET_VALUES:
+                taus.insert(j, tau)
+                ks.insert(j, lo.astype(np.int32))
             return lo
         mid = (lo + hi + 1) // 2
         ok = np.ones(n, dtype=bool)
