@@ -50,6 +50,22 @@ def test_split_bound_bounds_every_local_plan(inputs, sync):
     assert st_.predicted_time >= st_.split_lower_bound * (1 - 1e-9)
 
 
+def test_split_bound_reaches_the_aligned_k_of_one_sample_per_micro_batch():
+    """Dense cost, align 3: four samples no two of which fit one micro-batch run at K = 6 (two
+    placeholders). The bound searched K only up to the sample count on the align grid (K = 3),
+    where it priced one packed pair: 2970.008, above the plan's 2970 (HYPOTHESIS_PROFILE=dev
+    found it). It now reaches K = 6."""
+    cost = mp.FlopsCost(linear=1.0, quadratic=0.0, per_micro=40.0, packed_quadratic=0.001)
+    cfg = mp.PlanConfig(dp_size=1, max_tokens_per_micro=952, align=3, cost=cost, placement="local")
+    batch = mp.Batch([780, 720, 605, 623], rank_of=np.zeros(4, dtype=np.int64))
+    plan = mp.plan(batch, cfg)
+    assert plan.steps[0].micro_count == 6
+    lock, _ = step_times(plan, 0)
+    b = split_lower_bound(batch, cfg, plan.steps[0].samples)
+    assert b <= lock * (1 + 1e-12) and lock == 2970.0
+    assert b >= 2968.0 - 1e-9  # the bound at K = 6: every sample alone, 6 per_micro
+
+
 def test_split_bound_is_the_busiest_rank_for_additive_costs():
     """Varlen cost, no padding: max_r (Σ sample costs of rank r + K_split · per_micro), K_split the
     fewest micro-batches the fullest rank needs under the cap."""

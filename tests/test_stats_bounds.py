@@ -58,3 +58,21 @@ def test_padded_bound_never_above_prediction(case):
     for step in s.steps:
         own = step.lockstep_time if cfg.sync == "micro" else step.step_sync_time
         assert 0 <= step.time_lower_bound <= own * (1 + REL)
+
+
+def test_shared_prefix_bound_counts_the_cp_group():
+    """With shared prefixes the bound summed the trie's work over dp GPUs and priced a sample alone
+    on one GPU, ignoring the context-parallel group that shares every micro-batch: one 7-token
+    sample on a CP group of 2 ran at 3.5 per GPU under a bound of 7 (test_compose's bound check
+    found it under HYPOTHESIS_PROFILE=dev). Static and dynamic CP, global and local placement."""
+    for cp in (mp.ContextParallel(size=2), mp.ContextParallel(max_size=2)):
+        for placement in ("global", "local"):
+            if placement == "local" and cp.size is None:
+                continue  # dynamic CP with local placement is refused (docs/planner.md's table)
+            dp = 2 if cp.size is None else 1
+            cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=8, share_prefixes=True, context_parallel=cp,
+                                placement=placement)
+            batch = mp.Batch([7], rank_of=np.zeros(1, dtype=np.int64) if placement == "local" else None)
+            st_ = mp.plan(batch, cfg).stats
+            assert st_.predicted_time == 3.5
+            assert st_.time_lower_bound <= st_.predicted_time * (1 + 1e-12), (cp, placement, st_.time_lower_bound)

@@ -108,8 +108,10 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
         seg = (tree.end - tree.start).astype(np.float64)
         seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
         single = float(cost.sample_costs(lens).max())  # a sample alone
+        # a CP group's GPUs share its work (a split at least at perfect scaling, whatever its CP price)
         return best_lower_bound(seg_cost, seg.astype(np.int64), k_lb, bins_per_k=cfg.dp_size,
-                                gpus=cfg.dp_size, max_width=1, cost=cost, single=single)
+                                gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
+                                single=single)
     fp = footprint_of(batch, cfg) if fp is None else fp
     lens = fp.sample_tokens[idx]
     costs, view = fp.sample_costs(cost, idx), cost
@@ -154,7 +156,9 @@ def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footpr
         items.append((costs, lens, view, single))
         k_need = max(k_need, _rank_k(cfg, int(sub.size), int(lens.sum()), fp.vision(sub)))  # trie tokens if shared
     K_lb = -(-k_need // cfg.align) * cfg.align
-    top = K_lb if is_additive(cost) else max(K_lb, max(c.size for c, *_ in items))
+    # dense: up to the least aligned K with a micro-batch per sample of the fullest rank (past it LB only grows)
+    most = -(-max(c.size for c, *_ in items) // cfg.align) * cfg.align
+    top = K_lb if is_additive(cost) else max(K_lb, most)
     Ks = np.arange(K_lb, top + 1, cfg.align)
     cp = cfg.static_cp_size
     per = [time_lower_bounds(c, ln, Ks, bins_per_k=1, gpus=cp, max_width=_max_cp(cfg), cost=view, single=single)
