@@ -16,8 +16,8 @@ uids), then ``plan``, then reading every ``Micro.indices`` (``path``); ratios pe
 reported beside peer / plan. Targets: Batch <= 3 ms, path <= 20 ms and >= 40x slime and verl.
 ``hedged``: the same plan with the attention term known to ±10 % (``attention_rel_sd=0.1``, what a
 ``CostMeter`` hands out after a few noisy steps): the price of the hedged lockstep pass.
-``padded``: the same step with ``layout="padded"`` (runs of length-sorted samples, slot levels
-and their local search: ``stages/padded.py``).
+``padded``, ``padded-2d``: the same step with ``layout="padded"`` / ``"padded-2d"`` (runs of
+length-sorted samples, slot levels and their local search: ``stages/padded.py``).
 
 Local placement at scale (issue 17): every sample on rank 0 of dp=1,024 (the other ranks run
 placeholders), timed once each: ``plan`` and ``Plan.validate()`` (target: both together <= 3 s).
@@ -90,6 +90,7 @@ def _timers(batch: mp.Batch, dp: int, cost) -> dict:
         "microplan": lambda: _wall(lambda: mp.plan(batch, cfg)),
         "hedged": lambda: _wall(lambda: mp.plan(batch, hedged)),
         "padded": lambda: _wall(lambda: mp.plan(batch, padded)),
+        "padded-2d": lambda: _wall(lambda: mp.plan(batch, replace(padded, layout="padded-2d"))),
         "batch": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=pids, rollout_ids=rids)),
         "batch-str": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=uids, rollout_ids=rid_str)),
         "path": lambda: _wall(lambda: _user_path(lens, plens, pids, rids, cfg)),
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"verl critical path {rp['verl-critical-path']:5.1f}x")
         print(f"{'':>6}   hedged plan (FlopsCost.attention_rel_sd={HEDGE_SD:g}, a metered cost): {m['hedged']:6.1f} ms "
               f"({m['hedged'] / m['microplan']:.1f}x the plain plan)")
-        print(f"{'':>6}   padded layout (layout='padded'): {m['padded']:6.1f} ms")
+        print(f"{'':>6}   padded layout (layout='padded'): {m['padded']:6.1f} ms   'padded-2d': {m['padded-2d']:6.1f} ms")
     big = cases[0]["ratio"]
     print("targets at 16k/dp=128: " + ", ".join(
         f"{k} >= {v:.0f}x: {'met' if big[k] >= v else 'MISSED'} ({big[k]:.1f}x)" for k, v in TARGETS.items()))
