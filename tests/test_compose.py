@@ -170,6 +170,7 @@ def test_every_option_combination_plans_or_is_refused_by_the_table(bd, o):
     _recount(plan, b, cfg)
     st_ = plan.stats  # the bound stays a bound whatever composes (a priced CP split counts its GPU-time)
     assert st_.time_lower_bound <= st_.predicted_time * (1 + 1e-9)
+    assert st_.split_lower_bound <= st_.predicted_time * (1 + 1e-9)  # local: the bound the split allows
     back = mp.Plan.from_json(plan.to_json())  # every composition round-trips exactly
     assert back == plan and back.fingerprint() == plan.fingerprint()
     event("planned")
