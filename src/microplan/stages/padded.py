@@ -229,7 +229,7 @@ def _runs(srt: _Sorted, tau: float, caps: tuple, bound: np.ndarray) -> list[int]
     """Run boundaries [0, b1, ..., n] taking the longest run from each start."""
     step = (bound if tau == float("inf") and not srt.two_d else _max_run(srt, tau, bound, caps[0])).tolist()
     b, i, n = [0], 0, srt.n
-    while i < n:  # a list, not the array: element access is ~5x cheaper, and this walk is sequential
+    while i < n:  # a list, not the array: cheaper element access for this sequential walk
         i += step[i]
         b.append(i)
     return b
