@@ -39,7 +39,12 @@ def test_milp_equals_the_exhaustive_optimum(case):
     ref = padded_optimum(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult, placeholders=placeholders)
     got = padded_exact(lens, dp=dp, cap=cap, cost=cost, width_multiple=mult, placeholders=placeholders)
     assert got.proved
-    assert abs(got.time - ref.time) <= 1e-9 * ref.time
+    # never below the exhaustive optimum (its runs are a plan), and above it by at most what HiGHS
+    # proves: the relative gap asked (1e-6) or its absolute gap (1e-6). Both solvers agreed to 1e-9
+    # until HYPOTHESIS_PROFILE=dev drew per_micro = 1.2e-7: K = 3 and K = 2 then differ by 1.2e-7
+    # on a time of 3, inside the gap, and the MILP may stop at either.
+    assert got.time >= ref.time * (1 - 1e-9)
+    assert got.time <= ref.time + max(1e-6 * ref.time, 1e-6)
     assert abs(got.bound - got.time) <= 1e-5 * got.time  # HiGHS proves to a relative gap of 1e-6
     # the runs it returns are a plan of that time: contiguous, within the cap, the count allowed
     b = np.array(got.runs)
