@@ -51,7 +51,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -59,7 +59,7 @@ import numpy as np
 from .._checks import float_field, int_field
 from ..errors import PlanError
 from .calibrate import nnls
-from .cp import CPCost, cp_micro_costs
+from .cp import cp_micro_costs
 from .cpfit import fit_cp
 from .models import CostModel, FlopsCost, TokenCost, micro_features
 
@@ -357,10 +357,10 @@ class CostMeter:
     def _with_cp(self, base: FlopsCost) -> FlopsCost:
         """``base`` with the CP term: fitted on the split records, or the prior's in seconds."""
         pc = getattr(self.prior, "cp", None)
-        prior = None if pc is None else CPCost(
-            comm_per_token=pc.comm_per_token * self._scale, overlap=pc.overlap, efficiency=pc.efficiency,
-            split_overhead=pc.split_overhead * self._scale, node_size=pc.node_size,
-            cross_node_comm_per_token=None if pc.node_size is None else pc.cross_node_comm_per_token * self._scale)
+        s = self._scale  # the prior's CP term in seconds: every cost-unit field rescaled like the base
+        prior = None if pc is None else replace(
+            pc, comm_per_token=pc.comm_per_token * s, split_overhead=pc.split_overhead * s,
+            cross_node_comm_per_token=None if pc.cross_node_comm_per_token is None else pc.cross_node_comm_per_token * s)
         c = np.array(self._c)
         split = c > 1
         if not split.any():

@@ -126,7 +126,8 @@ class _Sorted:
         self.vcum = None if vis is None else np.concatenate([[0], np.cumsum(vis[self.order])])
         ex = s.extra_costs
         self.xcum = None if ex is None else np.concatenate([[0.0], np.cumsum(ex[self.order])])
-        self.searched: dict[tuple, tuple[list[float], list[np.ndarray]]] = {}  # _max_run's brackets
+        self.bounds: dict[tuple, np.ndarray] = {}  # _cap_bound per caps (one array per caps: read-only)
+        self.searched: dict[tuple, tuple[np.ndarray, list[float], list[np.ndarray]]] = {}  # _max_run's brackets
 
     @property
     def two_d(self) -> bool:
@@ -179,7 +180,14 @@ def _range_max(t: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 def _cap_bound(srt: _Sorted, cap: int | None, max_count: int | None, vcap: int | None) -> np.ndarray:
     """For every start a: the longest run the caps allow ignoring cost (exact in 1D; an upper
-    bound in 2D, whose width only grows with the run)."""
+    bound in 2D, whose width only grows with the run). Computed once per caps and step."""
+    got = srt.bounds.get((cap, max_count, vcap))
+    if got is None:
+        got = srt.bounds[cap, max_count, vcap] = _cap_bound_of(srt, cap, max_count, vcap)
+    return got
+
+
+def _cap_bound_of(srt: _Sorted, cap: int | None, max_count: int | None, vcap: int | None) -> np.ndarray:
     n = srt.n
     a = np.arange(n, dtype=np.int64)
     hi = n - a
@@ -199,7 +207,8 @@ def _max_run(srt: _Sorted, tau: float, bound: np.ndarray, cap: int | None) -> np
         return np.clip(closed, 1, bound)
     n = srt.n
     a = np.arange(n, dtype=np.int64)
-    taus, ks = srt.searched.setdefault((bound.tobytes(), cap), ([], []))
+    # keyed by the bound array itself (kept alive by its entry, so its id is not reused): one per caps
+    _, taus, ks = srt.searched.setdefault((id(bound), cap), (bound, [], []))
     j = bisect.bisect_left(taus, tau)
     if j < len(taus) and taus[j] == tau:
         return ks[j].astype(np.int64)

@@ -46,11 +46,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .padded_search import _fit_mask
+from .padded_search import run_cost_table
 
 __all__ = ["LevelPlans", "level_plans", "split_to_count", "volume_cuts", "volume_work", "VOLUME_POWERS"]
 
-VOLUME_POWERS = (0.5, 1.5)  # volume_cut minimises Σ (run cost)^p: p < 1 favours a few costly runs
+VOLUME_POWERS = (0.5, 1.5)  # volume_cuts minimise Σ (run cost)^p: p < 1 favours a few costly runs
 #                            beside many cheap ones, p > 1 evens the runs out (1: the padded volume)
 EXACT_LEVELS = 200   # all distinct run costs are the level set when there are at most this many
 GRID_LEVELS = 32     # else this many quantiles of them (64, or a refined grid: no better, 1.4-3x slower)
@@ -221,20 +221,6 @@ def volume_work(n: int, bound: np.ndarray, m: int) -> int:
     return (n + 1) * int(bound.max(initial=1)) * m * len(VOLUME_POWERS)
 
 
-def _run_table(srt, caps: tuple, bound: np.ndarray) -> np.ndarray:
-    """[n, k_max]: the cost of the run [a, a + k) at [a, k - 1], inf past ``bound[a]`` or a cap."""
-    n = srt.n
-    top = int(bound.max(initial=1))
-    a = np.repeat(np.arange(n), top)
-    k = np.tile(np.arange(1, top + 1), n)
-    live = k <= bound[a]
-    a, k = a[live], k[live]
-    ok = _fit_mask(srt, a, a + k, caps)
-    table = np.full((n, top), np.inf)
-    table[a[ok], k[ok] - 1] = srt.run_cost(a[ok], k[ok])
-    return table
-
-
 def volume_cuts(srt, ms: list[int], caps: tuple, bound: np.ndarray,
                 powers: tuple[float, ...] = VOLUME_POWERS) -> dict[tuple[int, float], list[int] | None]:
     """For every m in ``ms`` and power p: exactly m runs of the sorted samples minimising
@@ -243,13 +229,13 @@ def volume_cuts(srt, ms: list[int], caps: tuple, bound: np.ndarray,
 
     One DP over (runs, end) for every power and m at once, vectorised over the ends: layer j
     holds, for every end e, the least Σ cost^p of j runs covering [0, e), over the run lengths k
-    (``_run_table``); ties keep the smallest start. O((n + 1)·k_max·max(ms)·|powers|) work
+    (``padded_search.run_cost_table``); ties keep the smallest start. O((n + 1)·k_max·max(ms)·|powers|) work
     (:func:`volume_work`); the same cuts as the per-start loop it replaced (plan_hashes unchanged)."""
     n = srt.n
     ms = sorted({m for m in ms if 1 <= m <= n})
     if not ms:
         return {}
-    table = _run_table(srt, caps, bound)
+    table = run_cost_table(srt, caps, bound)
     top = table.shape[1]
     scale = float(srt.run_cost(np.array([0]), np.array([1]))[0]) or 1.0
     p = np.asarray(powers, dtype=np.float64)

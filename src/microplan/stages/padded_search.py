@@ -253,15 +253,27 @@ def _merge_split(srt: _Sorted, b: list[int], D: int, K: int, caps: tuple, per_mi
     return sorted([int(v) for v in bnd if v != drop] + [add])
 
 
+def run_cost_table(srt: _Sorted, caps: tuple, bound: np.ndarray) -> np.ndarray:
+    """[n, k_max]: the cost of the run [a, a + k) at [a, k - 1], inf past ``bound[a]`` or a cap."""
+    n = srt.n
+    top = int(bound.max(initial=1))
+    a = np.repeat(np.arange(n), top)
+    k = np.tile(np.arange(1, top + 1), n)
+    live = k <= bound[a]
+    a, k = a[live], k[live]
+    ok = _fit_mask(srt, a, a + k, caps)
+    table = np.full((n, top), np.inf)
+    table[a[ok], k[ok] - 1] = srt.run_cost(a[ok], k[ok])
+    return table
+
+
 def _run_table(srt: _Sorted, caps: tuple) -> np.ndarray:
     """C[a, e]: cost of the run [a, e) (inf when empty, reversed or over a cap); small steps only."""
     n = srt.n
-    a, e = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    ok = e > a
-    a, e = a[ok], e[ok]
-    fit = _fit_mask(srt, a, e, caps)
+    table = run_cost_table(srt, caps, n - np.arange(n))  # every run [a, a + k), k up to the end
+    a, k = np.nonzero(np.isfinite(table))
     C = np.full((n + 1, n + 1), np.inf)
-    C[a[fit], e[fit]] = srt.run_cost(a[fit], e[fit] - a[fit])
+    C[a, a + k + 1] = table[a, k]
     return C
 
 
