@@ -130,10 +130,10 @@ def test_format_summary_is_reusable() -> None:
                               "with 'microplan plan"),
     (["plan", "{tmp}/trace.txt", "--dp", "2", "--max-tokens", "100"], "trace.txt: no such file"),
     (["plan", "{trace}", "--dp", "2", "--max-tokens", "9000", "--prompts-per-step", "1000"],
-     "Steps(prompts_per_step=1000) forms no optimizer step: the batch has only 40 prompt groups, so all 160 "
-     "samples would be dropped; set prompts_per_step (CLI --prompts-per-step) to at most 40"),
+     "--prompts-per-step 1000 forms no optimizer step: the batch has only 40 prompt groups, so all 160 "
+     "samples would be dropped; set --prompts-per-step to at most 40"),
     (["plan", "{trace}", "--dp", "2", "--max-tokens", "9000", "--rollouts-per-step", "161"],
-     "Steps(rollouts_per_step=161) forms no optimizer step"),
+     "--rollouts-per-step 161 forms no optimizer step"),
     (["demo", "--png", "{tmp}/no/such/dir/x.png"], "cannot write the PNG"),
     ([], "the following arguments are required"),
 ])
@@ -283,7 +283,9 @@ def test_like_refusals(tmp_path: Path, trace: Path, capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize("argv,pattern", [
     (["--pipeline-stages", "0"], "must be >= 1"),
-    (["--pipeline-stages", "4", "--virtual-stages", "2", "--align", "2"], "align=2"),
+    (["--pipeline-stages", "4", "--virtual-stages", "2", "--align", "2"],
+     "groups of --align 2 (Megatron's microbatch_group_size_per_vp_stage), which must be >= --pipeline-stages 4; "
+     "set --align to a value >= 4 (Megatron's default is p), or --virtual-stages 1."),
     (["--virtual-stages", "2"], "needs pipeline parallelism"),
     (["--max-tokens", "100", "--forward"], "more than the forward cap"),
 ])
@@ -292,3 +294,101 @@ def test_pipeline_and_forward_option_errors(trace: Path, capsys: pytest.CaptureF
     assert main(base + argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("microplan: error:") and pattern in err and err.count("\n") == 1
+
+
+# -- issue 29: hostile files, flags in errors, --share-prefixes, --version, placeholder warning ---------
+
+def test_hostile_files_end_as_one_line_exit_2_in_a_subprocess(tmp_path: Path, trace: Path) -> None:
+    (tmp_path / "wide.jsonl").write_bytes('{"seq_len": 5}\n'.encode("utf-16"))
+    (tmp_path / "big.jsonl").write_text('{"seq_len": 1e30}\n')
+    (tmp_path / "big.csv").write_text("seq_len\n5\n1e30\n")
+    js = tmp_path / "p.json"
+    assert main(["plan", str(trace), "--dp", "2", "--max-tokens", "8192", "--json", str(js)]) == 0
+    d = json.loads(js.read_text())
+    d["batch"]["seq_lens"][3] = 1e30
+    (tmp_path / "huge.json").write_text(json.dumps(d))
+    for argv, says in [(["plan", "wide.jsonl", "--dp", "2", "--max-tokens", "100"], "is UTF-16 text"),
+                       (["plan", "big.jsonl", "--dp", "2", "--max-tokens", "100"], "line 1: field 'seq_len'=1e+30 is too large"),
+                       (["plan", "big.csv", "--dp", "2", "--max-tokens", "100"], "row 2: field 'seq_len'='1e30' is too large"),
+                       (["validate", "huge.json"], "field 'seq_lens' holds 1e+30, too large for a token count")]:
+        r = subprocess.run([sys.executable, "-m", "microplan", *argv], capture_output=True, text=True,
+                           cwd=tmp_path, timeout=60)
+        assert r.returncode == 2 and r.stderr.startswith("microplan: error: ") and r.stderr.count("\n") == 1, r.stderr
+        assert says in r.stderr and "Traceback" not in r.stderr
+
+
+def test_unknown_columns_refused_unless_ignored(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    p = tmp_path / "dump.jsonl"
+    p.write_text('{"seq_len": 50, "prompt_id": 1, "reward": 0.5}\n{"seq_len": 60, "prompt_id": 1, "reward": 1}\n')
+    assert main(["plan", str(p), "--dp", "2", "--max-tokens", "100"]) == 2
+    assert "unknown field 'reward'" in capsys.readouterr().err
+    assert main(["plan", str(p), "--dp", "2", "--max-tokens", "100", "--ignore-columns", "reward"]) == 0
+    assert "2 samples, 1 prompts" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,says,not_says", [
+    (["--max-tokens", "100"], "more than one micro-batch may hold (--max-tokens 100); raise --max-tokens",
+     "max_tokens_per_micro"),
+    (["--max-tokens", "8192", "--virtual-stages", "2"],
+     "--virtual-stages 2 needs pipeline parallelism: set --pipeline-stages", "virtual_stages"),
+    (["--max-tokens", "8192", "--cp-max-size", "3"], "--cp-max-size 3 must be a power of two", "ContextParallel"),
+    (["--max-tokens", "8192", "--num-steps", "1000"], "--num-steps 1000 but the batch has only 40 prompt groups",
+     "Steps("),
+    (["--max-tokens", "8192", "--layout", "padded", "--share-prefixes"],
+     "--share-prefixes packs each micro-batch as one tree row", "share_prefixes"),
+    (["--micro-batch-size", "2", "--cp-size", "2"], "needs dynamic batching: set --max-tokens, not --micro-batch-size",
+     "micro_batch_size"),
+])
+def test_errors_name_the_cli_flags(trace: Path, capsys: pytest.CaptureFixture, argv, says, not_says) -> None:
+    capsys.readouterr()
+    assert main(["plan", str(trace), "--dp", "2", *argv]) == 2
+    err = capsys.readouterr().err
+    assert says in err and not_says not in err and err.count("\n") == 1, err
+
+
+def test_cli_words_leaves_other_text_alone() -> None:
+    from microplan.cli import cli_words
+    assert cli_words("too few samples to align the step; layout='padded-2d', align=4") == \
+        "too few samples to align the step; --layout padded-2d, --align 4"
+    assert cli_words("ContextParallel(max_size=8) with PlanConfig.max_tokens_per_micro") == \
+        "--cp-max-size 8 with --max-tokens"
+    assert cli_words("sample 3 (seq_len 40)") == "sample 3 (seq_len 40)"
+
+
+def test_version(capsys: pytest.CaptureFixture) -> None:
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"microplan {mp.__version__}"
+
+
+def test_plan_share_prefixes_reads_the_trace_columns(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    t = tmp_path / "sw.jsonl"
+    assert main(["trace", "stepwise-multiturn", str(t), "--num-prompts", "12", "--max-len", "8192"]) == 0
+    plain, shared = tmp_path / "plain.json", tmp_path / "shared.json"
+    base = ["plan", str(t), "--dp", "2", "--max-tokens", "8192"]
+    assert main([*base, "--json", str(plain)]) == 0
+    assert main([*base, "--share-prefixes", "--json", str(shared)]) == 0
+    out = capsys.readouterr().out
+    assert "shared prefixes        :" in out
+    a, b = read_plan(plain), read_plan(shared)
+    assert b.config.share_prefixes and b.batch.has_prefixes
+    held = lambda p: sum(m.num_tokens for s in p.steps for row in s.micros for m in row)  # noqa: E731
+    assert held(b) < held(a) and b.stats.predicted_time < a.stats.predicted_time
+    assert main(["validate", str(shared)]) == 0
+    # a file without the columns: told what is missing, not silently unshared
+    bare = tmp_path / "bare.jsonl"
+    bare.write_text('{"seq_len": 50}\n{"seq_len": 60}\n')
+    assert main(["plan", str(bare), "--dp", "2", "--max-tokens", "100", "--share-prefixes"]) == 2
+    assert "prefix_parent and shared_prefix_len" in capsys.readouterr().err
+
+
+def test_mostly_placeholder_plan_warns_in_summary_and_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    p = tmp_path / "small.jsonl"
+    p.write_text("".join(f'{{"seq_len": {100 + i}}}\n' for i in range(20)))
+    capsys.readouterr()
+    assert main(["plan", str(p), "--dp", "1000", "--max-tokens", "1000"]) == 0
+    out, err = capsys.readouterr()
+    assert err.startswith("microplan: warning: 980 placeholders for 20 real micro-batches (49×)") and "--dp 1,000" in err
+    assert "  warning                : 980 placeholders for 20 real micro-batches" in out
+    assert main(["plan", str(p), "--dp", "4", "--max-tokens", "1000"]) == 0
+    out, err = capsys.readouterr()
+    assert err == "" and "warning" not in out.split("terms:")[0]

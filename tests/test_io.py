@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -43,7 +44,7 @@ def test_jsonl_minimal_and_defaults(tmp_path: Path) -> None:
     p = tmp_path / "m.jsonl"
     p.write_text('{"seq_len": 10, "prompt_len": 4, "prompt_id": "a", "extra": [1]}\n\n'
                  '{"seq_len": 12.0, "prompt_len": 4, "prompt_id": "a", "reward": 0.5}\n')
-    b = read_batch(p)
+    b = read_batch(p, ignore_columns=("extra", "reward"))  # other fields: skipped only when named
     np.testing.assert_array_equal(b.seq_lens, [10, 12])
     np.testing.assert_array_equal(b.loss_tokens, [6, 8])      # default: seq_len - prompt_len
     assert b.num_prompts == 1 and b.num_rollouts == 2
@@ -176,3 +177,82 @@ def test_read_plan_errors(tmp_path: Path) -> None:
         read_plan(bad)
     with pytest.raises(mp.PlanError, match="takes a microplan.Plan"):
         write_plan("not a plan", tmp_path / "x.json")  # type: ignore[arg-type]
+
+
+# -- hostile files (issue 29): one PlanError naming cause and fix, never a traceback ------------------
+
+def test_unknown_field_is_refused_by_name_with_the_nearest_and_the_known_ones(tmp_path: Path) -> None:
+    p = tmp_path / "typo.jsonl"
+    p.write_text('{"seq_len": 5, "prompt_ids": 1}\n{"seq_len": 6, "prompt_ids": 1}\n')
+    with pytest.raises(mp.PlanError, match=r"typo\.jsonl line 1: unknown field 'prompt_ids' \(did you mean "
+                       r"'prompt_id'\?\); the fields are seq_len, prompt_len, .*--ignore-columns prompt_ids"):
+        read_batch(p)
+    assert read_batch(p, ignore_columns=["prompt_ids"]).num_prompts == 2   # skipped on purpose: no groups
+    c = tmp_path / "typo.csv"
+    c.write_text("seq_len,rollout_ids,reward\n5,1,0.5\n")
+    with pytest.raises(mp.PlanError, match=r"row 1: unknown field 'rollout_ids' \(did you mean 'rollout_id'"):
+        read_batch(c, ignore_columns="reward")
+
+
+def test_a_field_given_twice_is_refused(tmp_path: Path) -> None:
+    c = tmp_path / "dup.csv"
+    c.write_text("seq_len,prompt_id,seq_len\n5,1,7\n")
+    with pytest.raises(mp.PlanError, match=r"dup\.csv header row: field 'seq_len' is given twice"):
+        read_batch(c)
+    j = tmp_path / "dup.jsonl"
+    j.write_text('{"seq_len": 5}\n{"seq_len": 5, "seq_len": 7}\n')
+    with pytest.raises(mp.PlanError, match=r"dup\.jsonl line 2: field 'seq_len' is given twice"):
+        read_batch(j)
+
+
+def test_parquet_unknown_and_duplicated_columns(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    p = tmp_path / "cols.parquet"
+    pq.write_table(pa.table({"seq_len": [5, 6], "promt_id": [1, 1]}), p)
+    with pytest.raises(mp.PlanError, match=r"unknown field 'promt_id' \(did you mean 'prompt_id'"):
+        read_batch(p)
+    pq.write_table(pa.table({"seq_len": [5, 6], "reward": [None, 1.0]}), p)
+    assert read_batch(p, ignore_columns=["reward"]).seq_lens.tolist() == [5, 6]   # an ignored null is fine
+    pq.write_table(pa.Table.from_arrays([pa.array([5]), pa.array([6])], names=["seq_len", "seq_len"]), p)
+    with pytest.raises(mp.PlanError, match=r"field 'seq_len' is given twice"):
+        read_batch(p)
+
+
+@pytest.mark.parametrize("encoding", ["utf-16", "utf-16-be", "utf-32"])
+def test_utf16_or_32_file_is_refused_with_the_conversion(tmp_path: Path, encoding: str) -> None:
+    name = "UTF-32" if "32" in encoding else "UTF-16"
+    for ext, text in (("jsonl", '{"seq_len": 5}\n'), ("csv", "seq_len\n5\n")):
+        p = tmp_path / f"wide.{ext}"
+        p.write_bytes(("\ufeff" if encoding == "utf-16-be" else "").encode(encoding) + text.encode(encoding))
+        with pytest.raises(mp.PlanError, match=rf"wide\.{ext}: is {name} text .* iconv -f {name} -t UTF-8"):
+            read_batch(p)
+
+
+def test_bytes_that_are_not_utf8_name_their_line(tmp_path: Path) -> None:
+    p = tmp_path / "latin.csv"
+    p.write_bytes(b"seq_len,prompt_id\n5,a\n6,caf\xe9\n")
+    with pytest.raises(mp.PlanError, match=r"latin\.csv line 3: byte 0xe9 is not UTF-8 .*save it as UTF-8"):
+        read_batch(p)
+
+
+@pytest.mark.parametrize("ext,text", [("csv", "seq_len,prompt_id\n5,1\n6,1\n"),
+                                      ("jsonl", '{"seq_len": 5, "prompt_id": 1}\n{"seq_len": 6, "prompt_id": 1}\n')])
+def test_a_utf8_byte_order_mark_is_skipped(tmp_path: Path, ext: str, text: str) -> None:
+    p = tmp_path / f"excel.{ext}"
+    p.write_bytes(text.encode("utf-8-sig"))        # what a spreadsheet's "CSV UTF-8" export writes
+    b = read_batch(p)
+    assert b.seq_lens.tolist() == [5, 6] and b.num_prompts == 1
+
+
+@pytest.mark.parametrize("ext,text,shown", [
+    ("jsonl", '{"seq_len": 1e30}\n', "1e+30"), ("csv", "seq_len\n1e30\n", "'1e30'"),
+    ("jsonl", '{"seq_len": 100000000000000000000000000000}\n', "1" + "0" * 29),
+    ("jsonl", '{"seq_len": 10, "prompt_len": 1e30}\n', "1e+30"),
+])
+def test_a_length_beyond_int64_is_refused_not_overflowed(tmp_path: Path, ext: str, text: str, shown: str) -> None:
+    p = tmp_path / f"big.{ext}"
+    p.write_text(text)
+    with pytest.raises(mp.PlanError, match=rf"big\.{ext} (line|row) 1: field '\w+'={re.escape(shown)} is too large "
+                       r"for a token count \(at most 2\*\*40"):
+        read_batch(p)

@@ -125,8 +125,75 @@ def test_sample_lost():
     shrunk = _micro(plan, a.indices[:-1], a.loss_scale[:-1], a)
     samples = plan.steps[0].samples[plan.steps[0].samples != lost]
     _invalid(_replace_micros(plan, 0, {(r, m): shrunk}, samples=samples), f"sample {lost} is neither planned nor dropped")
-    # and when Step.samples still lists it
-    _invalid(_replace_micros(plan, 0, {(r, m): shrunk}), "Step.samples differs")
+    # and when Step.samples still lists it: the missing sample is named, not the bookkeeping
+    _invalid(_replace_micros(plan, 0, {(r, m): shrunk}), f"sample {lost} is neither planned nor dropped")
+    # Step.samples that disagrees with intact micro-batches is still caught
+    _invalid(_rebuild(plan, steps=[mp.Step(0, plan.steps[0].micros, plan.steps[0].samples[1:])]),
+             "Step.samples differs")
+
+
+def test_missing_or_doubled_sample_is_named_with_where_not_its_symptom():
+    """Issue 29: a sample deleted from a token-mean plan was reported as a wrong loss_scale, a sample
+    in two micro-batches as a cap overflow."""
+    plan = _plan(max_tokens_per_micro=128)                  # token-mean: every scale depends on all samples
+    real = _real(plan)
+    r, m, a = next((r, m, a) for r, m, a in real if a.num_samples >= 2)
+    lost = int(a.indices[-1])
+    shrunk = _micro(plan, a.indices[:-1], a.loss_scale[:-1], a)
+    peer = next(int(j) for j in np.flatnonzero(plan.batch.prompt_codes == plan.batch.prompt_codes[lost]) if j != lost)
+    where = next(f"step 0, rank {r2}, micro {m2}" for r2, m2, x in real if peer in x.indices.tolist())
+    _invalid(_replace_micros(plan, 0, {(r, m): shrunk}),
+             rf"sample {lost} is neither planned nor dropped: it is in no micro-batch and not in dropped \(1 such "
+             rf"sample\)(; its prompt group's sample {peer} trains in {where})?$")
+    # doubled into a full micro-batch: over the cap too, but the cause is named, with both places
+    (r0, m0, x), (r1, m1, y) = max(((p, q) for p in real for q in real if p[:2] != q[:2]),
+                                   key=lambda pq: pq[0][2].num_tokens + pq[1][2].seq_lens[0])
+    i = int(y.indices[0])
+    dup = _micro(plan, list(x.indices) + [i], list(x.loss_scale) + [_scale_of(plan, i)], x)
+    first, second = sorted([(r0, m0), (r1, m1)])
+    _invalid(_replace_micros(plan, 0, {(r0, m0): dup}),
+             rf"sample {i} appears in two micro-batches: step 0, rank {first[0]}, micro {first[1]} and step 0, "
+             rf"rank {second[0]}, micro {second[1]}; every sample trains in exactly one micro-batch")
+
+
+def test_validate_cli_names_missing_and_doubled_samples(tmp_path, capsys):
+    from microplan.cli import main
+    plan = _plan(max_tokens_per_micro=128)
+    d = json.loads(plan.to_json())
+    row = d["steps"][0][0]
+    k = next(k for k, x in enumerate(row) if len(x["indices"]) >= 2)
+    gone = row[k]["indices"].pop()
+    row[k]["loss_scale"].pop()
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(d))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"sample {gone} is neither planned nor dropped" in err, err
+
+
+def test_plan_json_with_a_huge_length_or_no_kind_is_refused(tmp_path, capsys):
+    from microplan.cli import main
+    plan = _plan()
+    for edit, pattern in [(lambda d: d["batch"]["seq_lens"].__setitem__(0, 1e30),
+                           r"plan JSON batch: field 'seq_lens' holds 1e\+30, too large for a token count"),
+                          (lambda d: d["batch"]["loss_tokens"].__setitem__(1, 2.5),
+                           r"plan JSON batch: field 'loss_tokens'=2\.5 must be a whole number"),
+                          (lambda d: d.pop("kind"), r"plan JSON \(top level\): field 'kind' is missing"),
+                          (lambda d: d.__setitem__("kind", "eval"), r"field 'kind'='eval' must be one of")]:
+        d = json.loads(plan.to_json())
+        edit(d)
+        with pytest.raises(mp.PlanError, match=pattern):
+            mp.Plan.from_json(json.dumps(d))
+        path = tmp_path / "p.json"
+        path.write_text(json.dumps(d))
+        assert main(["validate", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("microplan: error: ") and err.count("\n") == 1 and "Traceback" not in err
+    # version 1 predates the field: such a plan reads as a training plan
+    d = json.loads(plan.to_json())
+    d.pop("kind"), d.pop("choices")
+    d["version"] = 1
+    assert mp.Plan.from_json(json.dumps(d)).kind == "train"
 
 
 def test_cap_exceeded():

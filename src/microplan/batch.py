@@ -397,8 +397,9 @@ class Batch:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Batch:
-        return cls(np.asarray(d["seq_lens"], dtype=np.int64),
-                   loss_tokens=np.asarray(d["loss_tokens"], dtype=np.int64),
+        """Inverse of :meth:`to_dict`, checked like the constructor (a float or an out-of-range
+        length is a PlanError, never an OverflowError or a silent truncation)."""
+        return cls(d["seq_lens"], loss_tokens=d["loss_tokens"],
                    prompt_lens=d.get("prompt_lens"), prompt_ids=d.get("prompt_ids"),
                    rollout_ids=d.get("rollout_ids"), vision_tokens=d.get("vision_tokens"),
                    num_images=d.get("num_images"), prefix_parent=d.get("prefix_parent"),

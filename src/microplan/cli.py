@@ -5,12 +5,20 @@ the batch (``microplan.io``), call :func:`microplan.plan`, print :func:`format_s
 optionally write the plan JSON and a PNG (``microplan.viz``). The summary text is
 ``microplan.summary`` (the same as ``Plan.summary()``). Every refusal — a PlanError, a
 missing file, a bad argument — prints ONE line ``microplan: error: ...`` to stderr and exits 2,
-never a traceback; ``main(argv)`` returns the exit code, so tests call it in-process.
+never a traceback; ``main(argv)`` returns the exit code, so tests call it in-process. A refusal
+of ``plan`` or ``demo`` speaks the command line's words: the library's field names in its message
+(``max_tokens_per_micro=100``, ``virtual_stages``, ``ContextParallel.max_size``) are rewritten to
+the flags that set them (``--max-tokens 100``, ``--virtual-stages``, ``--cp-max-size``:
+:func:`cli_words`). A plan that is legal but mostly placeholders prints
+``microplan: warning: ...`` to stderr as well as its summary line.
 
     microplan demo [--family F] [--dp 8] [--max-tokens 16384] [--png microplan_demo.png]
     microplan plan FILE --dp N (--max-tokens T | --micro-batch-size B) [...]
     microplan plan FILE --dp N --max-tokens T --forward          (a forward-only pass, loss scale 0)
     microplan plan FILE --dp N --like PLAN.json                  (forward pass in PLAN.json's layout)
+    microplan plan FILE --dp N --max-tokens T --share-prefixes   (prefix trees from the file's
+                                                                  prefix_parent/shared_prefix_len)
+    microplan --version
     microplan validate PLAN.json
     microplan trace FAMILY OUT.jsonl [--num-prompts P] [--samples-per-prompt G] [--max-len L]
 """
@@ -18,6 +26,7 @@ never a traceback; ``main(argv)`` returns the exit code, so tests call it in-pro
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import replace
@@ -31,9 +40,9 @@ from .forward import plan_forward
 from .plan import Plan
 from .planner import plan as make_plan
 from .traces import FAMILIES, generate
-from .summary import describe_batch, format_summary
+from .summary import describe_batch, format_summary, placeholder_warning
 
-__all__ = ["main", "build_parser", "format_summary", "describe_batch"]
+__all__ = ["main", "build_parser", "format_summary", "describe_batch", "cli_words"]
 
 class _UsageError(Exception):
     """A bad command line (argparse's complaint), reported as one line."""
@@ -64,6 +73,10 @@ def _float(text: str) -> float:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(n.strip() for n in text.split(",") if n.strip())
 
 
 def _prompt_len(text: str) -> int | tuple[int, int]:
@@ -136,11 +149,16 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
                    help="pad every sample to a multiple of M (2·cp for zigzag CP, 16 for FP8)")
     p.add_argument("--pad-row-to-multiple-of", type=_int(1), default=1, metavar="R",
                    help="pad the packed row to a multiple of R (tp for sequence-parallel TP)")
+    p.add_argument("--share-prefixes", action="store_true",
+                   help="pack each micro-batch as the prefix tree of its samples, every shared token once (needs the "
+                        "file's prefix_parent and shared_prefix_len columns, which 'microplan trace' writes)")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``microplan`` argument parser (subcommands demo, plan, validate, trace)."""
+    from . import __version__
     top = _Parser(prog="microplan", description="Plan the data layout of distributed LLM RL training.")
+    top.add_argument("--version", action="version", version=f"microplan {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="{demo,plan,validate,trace}")
     d = sub.add_parser("demo", help="plan a bundled synthetic trace and show the result")
     d.add_argument("--family", choices=FAMILIES, default="grpo-longtail")
@@ -153,6 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="plan a batch file (JSONL, CSV, Parquet)")
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="override the format implied by the extension")
+    p.add_argument("--ignore-columns", type=_names, default=(), metavar="NAME[,NAME...]",
+                   help="columns of the file that are not microplan's (reward, text); any other unknown column is refused")
     p.add_argument("--dp", type=_int(1), required=True, help="data-parallel ranks")
     _add_layout(p)
     _add_output(p, None)
@@ -196,7 +216,8 @@ def config_from_args(args: argparse.Namespace) -> PlanConfig:
                       steps=steps, align=args.align, short_step=args.short_step, cost=cost, sync=args.sync,
                       loss=loss, context_parallel=cp, seed=args.seed, pipeline_stages=args.pipeline_stages,
                       virtual_stages=args.virtual_stages, layout=args.layout,
-                      pad_to_multiple_of=args.pad_to_multiple_of, pad_row_to_multiple_of=args.pad_row_to_multiple_of)
+                      pad_to_multiple_of=args.pad_to_multiple_of, pad_row_to_multiple_of=args.pad_row_to_multiple_of,
+                      share_prefixes=args.share_prefixes)
 
 
 def _cost_from_args(args: argparse.Namespace) -> TokenCost | FlopsCost:
@@ -261,6 +282,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     cfg = PlanConfig(dp_size=args.dp, max_tokens_per_micro=args.max_tokens, steps=Steps(prompts_per_step=per_step),
                      context_parallel=cp, seed=args.seed)
     plan = make_plan(batch, cfg)
+    _warn(plan)
     print(f"microplan demo · trace {args.family!r} (seed {args.seed}, max_len {max_len:,}), "
           f"{per_step} prompts per step")
     print(plan.summary())
@@ -281,13 +303,18 @@ def _layout_options_given(args: argparse.Namespace) -> list[str]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .io import locate_samples, read_batch_file
-    source = read_batch_file(args.file, format=args.format)
+    source = read_batch_file(args.file, format=args.format, ignore_columns=args.ignore_columns)
+    if args.share_prefixes and not source.batch.has_prefixes:
+        raise PlanError(f"--share-prefixes needs the shared prefixes of {args.file}: its columns prefix_parent and "
+                        "shared_prefix_len (what 'microplan trace' writes; microplan.find_shared_prefixes computes "
+                        "them from token ids) are missing; add them, or drop --share-prefixes.")
     try:
         plan = _plan_file(args, source.batch)
     except PlanError as exc:  # "sample 2 occupies ...": say where sample 2 is in the file
         if args.like and str(exc).startswith(str(args.like)):
             raise
         raise PlanError(locate_samples(str(exc), source.path, source.locations)) from None
+    _warn(plan)
     print(f"batch file {args.file}")
     print(plan.summary())
     _write_outputs(plan, args)
@@ -341,6 +368,48 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return 0
 
 
+def _warn(plan: Plan) -> None:
+    warning = placeholder_warning(plan)
+    if warning is not None:
+        print(f"microplan: warning: {cli_words(warning)}", file=sys.stderr)
+
+
+# the CLI flag of each config field a message may name (config.py, ContextParallel, Steps, Loss)
+_FLAGS = {"max_tokens_per_micro": "--max-tokens", "micro_batch_size": "--micro-batch-size", "dp_size": "--dp",
+          "align": "--align", "short_step": "--short-step", "sync": "--sync", "seed": "--seed",
+          "pipeline_stages": "--pipeline-stages", "virtual_stages": "--virtual-stages", "layout": "--layout",
+          "pad_to_multiple_of": "--pad-to-multiple-of", "pad_row_to_multiple_of": "--pad-row-to-multiple-of",
+          "share_prefixes": "--share-prefixes", "prompts_per_step": "--prompts-per-step",
+          "rollouts_per_step": "--rollouts-per-step", "num_steps": "--num-steps", "norm_constant": "--norm-constant",
+          "grad_reduction": "--grad-reduction", "engine_divides_by_micro_count": "--engine-divides-by-micro-count",
+          "context_parallel": "--cp-size/--cp-max-size"}
+_CP_FLAGS = {"size": "--cp-size", "max_size": "--cp-max-size"}
+_NAMES = "|".join(sorted(_FLAGS, key=len, reverse=True))
+_VALUE = r"('[^']*'|\"[^\"]*\"|[\w.+-]+)"
+_WRAPPED = re.compile(rf"\b(?:Steps|Loss)\(({_NAMES})={_VALUE}\)")
+_CP = re.compile(rf"\bContextParallel(?:\((max_size|size)={_VALUE}\)|\.(max_size|size)\b(?:={_VALUE})?)")
+_ASSIGN = re.compile(rf"(?:\bPlanConfig\.)?\b({_NAMES})={_VALUE}")
+_BARE = re.compile(rf"(?:\bPlanConfig\.)?\b({'|'.join(n for n in _FLAGS if '_' in n)})\b")
+
+
+def cli_words(message: str) -> str:
+    """``message`` with the config's field names replaced by the CLI flags that set them:
+    ``max_tokens_per_micro=100`` → ``--max-tokens 100``, ``ContextParallel.max_size=3`` →
+    ``--cp-max-size 3``, ``Steps(num_steps=9)`` → ``--num-steps 9``, a bare
+    ``virtual_stages`` → ``--virtual-stages`` (a bare one-word field such as ``align`` is an
+    English word too: only "set align" and the like become "set --align")."""
+    def flag(name: str, value: str | None) -> str:
+        if value in (None, "True"):          # a switch (--share-prefixes) is on by being given
+            return name
+        return f"no {name}" if value == "False" else f"{name} {value.strip(chr(39) + chr(34))}"
+    out = _WRAPPED.sub(lambda m: flag(_FLAGS[m[1]], m[2]), message)
+    out = _CP.sub(lambda m: flag(_CP_FLAGS[m[1]], m[2]) if m[1] else flag(_CP_FLAGS[m[3]], m[4]), out)
+    out = _ASSIGN.sub(lambda m: flag(_FLAGS[m[1]], m[2]), out)
+    out = _BARE.sub(lambda m: _FLAGS[m[1]], out)
+    out = re.sub(r"\b(set|raise|lower) (align|sync|seed|layout)\b", lambda m: f"{m[1]} {_FLAGS[m[2]]}", out)
+    return re.sub(r" \(CLI (--[\w-]+)\)", lambda m: "" if m[1] in out[:m.start()] else m[0], out)
+
+
 def _error(message: str) -> int:
     print(f"microplan: error: {' '.join(str(message).split())}", file=sys.stderr)
     return 2
@@ -348,13 +417,16 @@ def _error(message: str) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``microplan`` command line; returns the exit code (0 ok, 2 refused)."""
+    args = None
     try:
         args = build_parser().parse_args(argv)
         return int(args.func(args))
     except _UsageError as exc:
         return _error(str(exc))
     except PlanError as exc:
-        return _error(str(exc))
+        # a --like plan's messages are about the saved plan's config, in its own words
+        speaks_flags = getattr(args, "command", None) in ("plan", "demo") and not getattr(args, "like", None)
+        return _error(cli_words(str(exc)) if speaks_flags else str(exc))
     except BrokenPipeError:  # `microplan demo | head`: stop quietly, like other tools
         import os
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

@@ -5,9 +5,14 @@ Design note. A batch file holds one record per sample, in batch order, with the 
     seq_len (required) · prompt_len · loss_tokens · prompt_id · rollout_id
     · prefix_parent · shared_prefix_len   (shared prefixes: give both or neither)
 
-(the singular names of :class:`microplan.Batch`'s arguments; other fields are ignored, so a
-rollout dump with ``reward`` or ``text`` columns reads as is). An optional field is either in
-every record or in none. Lengths are whole numbers; ids are ints or strings (in CSV, an id
+(the singular names of :class:`microplan.Batch`'s arguments). Any other field is refused by name,
+with the known fields and the nearest one (a typo such as ``prompt_ids`` would otherwise be
+ignored and change the plan silently); a rollout dump with ``reward`` or ``text`` columns reads
+with ``ignore_columns=("reward", "text")`` (CLI: ``--ignore-columns reward,text``). A field
+given twice (a CSV header ``seq_len,seq_len``, a JSON object with one key twice) is refused. A
+file is UTF-8 text (a UTF-8 byte-order mark, as spreadsheet exports write, is skipped); a UTF-16
+or UTF-32 file, or bytes that are not UTF-8, are refused naming the encoding or the line and
+saying how to convert. An optional field is either in every record or in none. Lengths are whole numbers up to 2**40 (1e30 is refused, not overflowed); ids are ints or strings (in CSV, an id
 column whose every cell is a canonical int reads as ints, else as strings — use JSONL to keep
 string ids like ``"7"``). JSONL and Parquet are typed: a length written as a string
 (``{"seq_len": "200"}``) is refused, not guessed; only CSV, which has no types, parses text.
@@ -22,17 +27,19 @@ The planning core stays pure: nothing outside this module touches files.
 from __future__ import annotations
 
 import csv
+import difflib
+import io
 import json
 import math
 import os
-from collections.abc import Iterator
-from pathlib import Path
 import re
+from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
 
-from .batch import Batch
+from .batch import _MAX_LEN, Batch
 from .errors import PlanError
 from .plan import Plan
 
@@ -71,20 +78,22 @@ def _open_error(path: Path, exc: OSError) -> PlanError:
 
 # -- reading batches ------------------------------------------------------------------------------
 
-def read_batch(path: PathLike, *, format: str | None = None) -> Batch:
+def read_batch(path: PathLike, *, format: str | None = None, ignore_columns: Iterable[str] = ()) -> Batch:
     """Read a :class:`Batch` from a JSONL, CSV or Parquet file (one record per sample).
 
     Args:
         path: the file. Format from the extension (``.jsonl``/``.ndjson``/``.json`` JSON lines,
             ``.csv`` with a header row, ``.parquet``) unless ``format`` is given.
         format: ``"jsonl"``, ``"csv"`` or ``"parquet"`` to override the extension.
+        ignore_columns: fields that are not microplan's to skip (``("reward", "text")``); any
+            other unknown field is refused.
 
     Raises:
-        PlanError: missing file, unknown format, malformed record, a missing or bad field
-            (naming file, line/row, field and value), or a batch invariant (e.g. a rollout
-            spanning two prompts).
+        PlanError: missing file, unknown format, a file that is not UTF-8, malformed record, an
+            unknown or duplicated field, a missing or bad field (naming file, line/row, field and
+            value), or a batch invariant (e.g. a rollout spanning two prompts).
     """
-    return read_batch_file(path, format=format).batch
+    return read_batch_file(path, format=format, ignore_columns=ignore_columns).batch
 
 
 class BatchFile(NamedTuple):
@@ -95,21 +104,37 @@ class BatchFile(NamedTuple):
     path: Path
 
 
-def read_batch_file(path: PathLike, *, format: str | None = None) -> BatchFile:
+def read_batch_file(path: PathLike, *, format: str | None = None, ignore_columns: Iterable[str] = ()) -> BatchFile:
     """:func:`read_batch`, plus each sample's line/row (for messages about a sample: :func:`locate_samples`)."""
     p = Path(path)
     if not p.exists():
         raise PlanError(f"{p}: no such file.")
     fmt = _format(p, format)
+    ignore = frozenset([ignore_columns] if isinstance(ignore_columns, str) else ignore_columns)
     reader = {"jsonl": _jsonl_records, "csv": _csv_records, "parquet": _parquet_records}[fmt]
     columns: dict[str, list[Any]] = {}
     locations: list[str] = []
+    known = frozenset(FIELDS) | ignore
     for n, (loc, rec) in enumerate(reader(p)):
+        if not known.issuperset(rec):
+            raise _unknown_field(p, loc, next(k for k in rec if k not in known))
         _add_record(p, loc, rec, n, columns, typed=fmt != "csv")
         locations.append(loc)
     if not columns:
         raise PlanError(f"{p}: holds no samples; a batch file needs one record per sample with a 'seq_len'.")
     return BatchFile(_build(p, columns, tuple(locations), int_ids=fmt == "csv"), tuple(locations), p)
+
+
+def _unknown_field(p: Path, loc: str, name: str) -> PlanError:
+    """An unknown field, named with the nearest known one and how to skip it on purpose."""
+    near = difflib.get_close_matches(name.strip().lower(), FIELDS, n=1, cutoff=0.6)
+    guess = f" (did you mean {near[0]!r}?)" if near else ""
+    return PlanError(f"{p} {loc}: unknown field {name!r}{guess}; the fields are {', '.join(FIELDS)}. Rename it, or "
+                     f"skip it on purpose with --ignore-columns {name} (read_batch(..., ignore_columns=[{name!r}])).")
+
+
+def _duplicate_field(p: Path, loc: str, name: str) -> PlanError:
+    return PlanError(f"{p} {loc}: field {name!r} is given twice; keep one (which one is meant cannot be guessed).")
 
 
 _SAMPLE = re.compile(r"\bsample (\d+)\b")
@@ -164,13 +189,16 @@ def _length(p: Path, loc: str, name: str, v: Any, typed: bool = False) -> int:
     lo = 1 if name == "seq_len" else 0
     if out < lo:
         raise PlanError(f"{p} {loc}: field {name!r}={out} must be >= {lo}.")
+    if out > _MAX_LEN:
+        raise PlanError(f"{p} {loc}: field {name!r}={v!r} is too large for a token count (at most 2**40 = "
+                        f"{_MAX_LEN:,}); check that the column holds token counts.")
     return out
 
 
 def _parent(p: Path, loc: str, v: Any) -> int:
     """A prefix parent: an earlier sample's index, or -1."""
     out = v if type(v) is int else _whole(v)
-    if out is None or out < -1:
+    if out is None or not -1 <= out <= _MAX_LEN:
         raise PlanError(f"{p} {loc}: field 'prefix_parent'={v!r} must be an earlier sample's index or -1.")
     return out
 
@@ -237,37 +265,67 @@ def _int_ids(values: list[Any]) -> list[Any]:
     return values
 
 
-def _jsonl_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """``(location, record)`` per non-blank line; a file starting with ``[`` is one JSON array."""
+_BOMS = ((b"\xff\xfe\x00\x00", "UTF-32"), (b"\x00\x00\xfe\xff", "UTF-32"), (b"\xff\xfe", "UTF-16"),
+         (b"\xfe\xff", "UTF-16"))
+
+
+def _read_text(p: Path) -> str:
+    """The file as text: UTF-8, a leading UTF-8 byte-order mark skipped; UTF-16/32 and bytes that
+    are not UTF-8 refused, naming the encoding or the line, with the conversion to run."""
     try:
-        f = p.open(encoding="utf-8")
+        data = p.read_bytes()
     except OSError as exc:
         raise _open_error(p, exc) from None
-    with f:
-        first = f.read(1)
-        while first.isspace():
-            first = f.read(1)
-        f.seek(0)
-        if first == "[":
-            yield from _json_array(p, f.read())
-            return
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise PlanError(f"{p} line {lineno}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
-            if not isinstance(rec, dict):
-                raise PlanError(f"{p} line {lineno}: expected a JSON object per sample, got {type(rec).__name__}.")
-            yield f"line {lineno}", rec
+    for bom, name in _BOMS:
+        if data.startswith(bom):
+            raise PlanError(f"{p}: is {name} text (it starts with a {name} byte-order mark); microplan reads UTF-8: "
+                            f"convert it, e.g. iconv -f {name} -t UTF-8 {p} > {p.stem}.utf8{p.suffix}")
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise PlanError(f"{p} line {line}: byte 0x{data[exc.start]:02x} is not UTF-8 (the file is in another "
+                        f"encoding, or binary); save it as UTF-8, e.g. iconv -f LATIN1 -t UTF-8 {p} > "
+                        f"{p.stem}.utf8{p.suffix}") from None
+
+
+def _no_duplicates(p: Path, loc: str) -> Any:
+    """A ``json.loads`` object hook that refuses a key given twice in one object."""
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        rec = dict(pairs)
+        if len(rec) != len(pairs):
+            keys = [k for k, _ in pairs]
+            raise _duplicate_field(p, loc, next(k for i, k in enumerate(keys) if k in keys[:i]))
+        return rec
+    return hook
+
+
+def _jsonl_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """``(location, record)`` per non-blank line; a file starting with ``[`` is one JSON array."""
+    text = _read_text(p)
+    if text.lstrip().startswith("["):
+        yield from _json_array(p, text)
+        return
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        loc = f"line {lineno}"
+        try:
+            rec = json.loads(line, object_pairs_hook=_no_duplicates(p, loc))
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{p} {loc}: not valid JSON ({exc.msg} at column {exc.colno}).") from None
+        if not isinstance(rec, dict):
+            raise PlanError(f"{p} {loc}: expected a JSON object per sample, got {type(rec).__name__}.")
+        yield loc, rec
 
 
 def _json_array(p: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
     try:
-        recs = json.loads(text)
+        recs = json.loads(text, object_pairs_hook=_no_duplicates(p, "(an element)"))
     except json.JSONDecodeError as exc:
         raise PlanError(f"{p} line {exc.lineno}: not valid JSON ({exc.msg}).") from None
+    if not isinstance(recs, list):
+        raise PlanError(f"{p}: expected a JSON array of objects, one per sample, got {type(recs).__name__}.")
     for i, rec in enumerate(recs):
         if not isinstance(rec, dict):
             raise PlanError(f"{p} element {i}: expected a JSON object per sample, got {type(rec).__name__}.")
@@ -275,17 +333,16 @@ def _json_array(p: Path, text: str) -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def _csv_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    try:
-        f = p.open(newline="", encoding="utf-8")
-    except OSError as exc:
-        raise _open_error(p, exc) from None
-    with f:
+    with io.StringIO(_read_text(p), newline="") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames is None:
             return
         names = [(h or "").strip() for h in reader.fieldnames]
         if "seq_len" not in names:
             raise PlanError(f"{p}: the header row {names} has no 'seq_len' column; columns are {', '.join(FIELDS)}.")
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise _duplicate_field(p, "header row", twice)
         for row_no, row in enumerate(reader, 1):
             if None in row:
                 raise PlanError(f"{p} row {row_no}: more cells than header columns.")
@@ -301,16 +358,22 @@ def _parquet_records(p: Path) -> Iterator[tuple[str, dict[str, Any]]]:
     if not p.exists():
         raise PlanError(f"{p}: no such file.")
     try:
+        names = pq.read_schema(p).names
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise _duplicate_field(p, "columns", twice)
         table = pq.read_table(p, columns=None)
+    except PlanError:
+        raise
     except Exception as exc:  # pyarrow raises its own ArrowInvalid, OSError, ...
         raise PlanError(f"{p}: not a readable Parquet file ({type(exc).__name__}: {exc}).") from None
-    cols = {name: table.column(name).to_pylist() for name in FIELDS if name in table.column_names}
+    cols = {name: table.column(name).to_pylist() for name in names}
     if "seq_len" not in cols:
         raise PlanError(f"{p}: no 'seq_len' column (columns: {table.column_names}); columns are {', '.join(FIELDS)}.")
     for i in range(table.num_rows):
         rec = {k: v[i] for k, v in cols.items()}
         for k, v in rec.items():
-            if v is None:
+            if v is None and k in FIELDS:
                 raise PlanError(f"{p} row {i + 1}: field {k!r} is null; fill it (or drop the column).")
         yield f"row {i + 1}", rec
 

@@ -19,7 +19,7 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import footprint_of, micro_footprint
-from .plan_json import Where, field, index_array, number_array, rows_of, whole
+from .plan_json import Where, check_lengths, field, index_array, number_array, rows_of, whole
 from .prefix import forest_of, micro_tree
 from .stats import compute_stats
 from .types import KChoice, Micro, PlanStats, Step
@@ -30,7 +30,7 @@ __all__ = ["Plan", "FORMAT", "VERSION", "PLAN_KINDS"]
 FORMAT = "microplan.plan"
 VERSION = 2
 _READS = (1, 2)  # version 1: no per-step K choice
-PLAN_KINDS = ("train", "forward")  # "kind" in the JSON; absent = "train" (plans written before forward plans)
+PLAN_KINDS = ("train", "forward")  # "kind" in the JSON: required from version 2 on (version 1 predates it: "train")
 
 
 class Plan:
@@ -124,8 +124,14 @@ class Plan:
             raise PlanError(f"plan format version {d.get('version')!r} is not supported (this microplan reads "
                             f"version {VERSION}); re-plan with this version.")
         top = Where("(top level)")
+        kind = field(d, "kind", top) if d["version"] >= 2 else "train"
+        if kind not in PLAN_KINDS:
+            raise top.fail(f"field 'kind'={kind!r} must be one of {', '.join(map(repr, PLAN_KINDS))}")
+        batch_d = field(d, "batch", top)
+        for key in ("seq_lens", "loss_tokens"):
+            check_lengths(field(batch_d, key, Where("batch")), key, Where("batch"))
         try:
-            batch = Batch.from_dict(field(d, "batch", top))
+            batch = Batch.from_dict(batch_d)
             config = PlanConfig.from_dict(field(d, "config", top))
         except PlanError:
             raise
@@ -153,8 +159,7 @@ class Plan:
         for why, idx in rows_of(field(d, "drop_reasons", top), "drop_reasons", top):
             for i in index_array(idx, "drop_reasons", top, n):
                 reasons[int(i)] = str(why)
-        return cls(batch=batch, config=config, steps=steps, dropped=dropped, drop_reasons=reasons,
-                   kind=d.get("kind", "train"))
+        return cls(batch=batch, config=config, steps=steps, dropped=dropped, drop_reasons=reasons, kind=kind)
 
     @classmethod
     def from_json(cls, text: str) -> Plan:

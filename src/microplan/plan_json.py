@@ -17,7 +17,9 @@ import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["Where", "field", "rows_of", "index_array", "number_array", "whole"]
+__all__ = ["Where", "field", "rows_of", "index_array", "number_array", "whole", "check_lengths"]
+
+_MAX_LEN = 2 ** 40  # Batch's bound on a token count
 
 _FIX = "the file is damaged: write the plan again (Plan.to_json / microplan plan ... --json)"
 
@@ -65,6 +67,21 @@ def index_array(v: Any, key: str, where: Where, n: int) -> np.ndarray:
         if not 0 <= x < n:
             raise where.fail(f"field {key!r} holds {_short(x)}, but the plan's batch has samples 0..{n - 1}")
     return np.asarray(items, dtype=np.int64).reshape(-1)
+
+
+def check_lengths(v: Any, key: str, where: Where) -> None:
+    """Token counts: a list of whole numbers in 0..2**40 (1e30 or 2.5 named here, not an
+    OverflowError or a silent truncation later)."""
+    items = rows_of(v, key, where)
+    try:
+        arr = np.asarray(items)
+    except (ValueError, TypeError, OverflowError):
+        arr = np.zeros((0, 0))
+    if arr.ndim == 1 and arr.dtype.kind == "i" and (not arr.size or (arr.min() >= 0 and arr.max() <= _MAX_LEN)):
+        return
+    for x in items:
+        if whole(x, key, where) > _MAX_LEN:
+            raise where.fail(f"field {key!r} holds {_short(x)}, too large for a token count (at most 2**40)")
 
 
 def number_array(v: Any, key: str, where: Where, size: int) -> np.ndarray:

@@ -14,7 +14,11 @@ term the text uses, one line each. Rules every line follows:
 - the why-K line is a sentence in plain words; K that could not be packed are said so, never
   printed as ``inf``;
 - padding (tokens a GPU holds that belong to no sample) and placeholders (empty micro-batches
-  that keep K equal) are reported apart.
+  that keep K equal) are reported apart;
+- a plan whose placeholders outnumber its real micro-batches more than ``PLACEHOLDER_WARN_RATIO``
+  times (more ranks than the batch can use: ``dp_size`` 1,000,000 on 2,048 samples) gets a
+  ``warning`` line (:func:`placeholder_warning`; the CLI also prints it to stderr). Legal, so
+  never an error, but never silent either.
 
 Trade-off: the summary is ~20 lines + a 7-line legend for a one-screen plan; the legend costs
 7 lines on every print, which a newcomer needs and an expert skips (``Plan.__repr__`` is the
@@ -33,7 +37,11 @@ if TYPE_CHECKING:
     from .plan import Plan
     from .types import KChoice
 
-__all__ = ["format_summary", "describe_batch", "cost_unit", "CostUnit", "sig", "count", "short_repr", "LEGEND"]
+__all__ = ["format_summary", "describe_batch", "cost_unit", "CostUnit", "sig", "count", "short_repr", "LEGEND",
+           "placeholder_warning", "PLACEHOLDER_WARN_RATIO"]
+
+#: Placeholders per real micro-batch above which the summary warns (most GPUs would idle).
+PLACEHOLDER_WARN_RATIO = 4
 
 _MAX_TABLE_ROWS = 12
 _LABEL = 23  # width of the left column
@@ -251,6 +259,21 @@ def _cp_text(plan: Plan) -> str:
             f"{price}")
 
 
+def placeholder_warning(plan: Plan) -> str | None:
+    """One sentence when the plan's placeholders outnumber its real micro-batches more than
+    ``PLACEHOLDER_WARN_RATIO`` times (more ranks than the batch can keep busy), else None."""
+    st = plan.stats
+    slots = sum(s.micro_count for s in st.steps) * plan.config.dp_size
+    empty = st.num_placeholders
+    real = slots - empty
+    if empty <= PLACEHOLDER_WARN_RATIO * max(real, 1):
+        return None
+    planned = st.num_samples - st.num_dropped
+    return (f"{empty:,} placeholders for {real:,} real micro-batches ({empty / max(real, 1):,.0f}×): most GPUs run "
+            f"only empty micro-batches. dp_size={plan.config.dp_size:,} is more ranks than {planned:,} planned samples "
+            "can use; plan them on fewer ranks, or put more samples in each step.")
+
+
 def format_summary(plan: Plan) -> str:
     """The readable multi-line summary of a plan (what ``Plan.summary()`` returns and the CLI prints)."""
     st, cfg = plan.stats, plan.config
@@ -277,7 +300,10 @@ def format_summary(plan: Plan) -> str:
     if cfg.share_prefixes:
         lines.append(_row("shared prefixes", f"{st.tokens_with_sharing:,} tokens held for {st.tokens_without_sharing:,} "
                           f"sample tokens (lower bound {st.tokens_lower_bound:,})"))
-    lines.append(_row("placeholders", f"{st.num_placeholders} empty micro-batch{'es' if st.num_placeholders != 1 else ''}"))
+    lines.append(_row("placeholders", f"{st.num_placeholders:,} empty micro-batch{'es' if st.num_placeholders != 1 else ''}"))
+    warn = placeholder_warning(plan)
+    if warn is not None:
+        lines.append(_row("warning", warn))
     if cfg.context_parallel is not None and st.steps:
         lines.append(_row("context parallel", _cp_text(plan)))
     pick = _choice_step(plan)

@@ -1,7 +1,9 @@
 """The invariant checker: re-derives every guarantee of a plan from its batch and config.
 
 Checks, in order (the first violation raises PlanError naming step, rank and micro-batch):
-shape (dp_size rows, equal K per rank, K a multiple of align), micro-batch contents (arrays
+shape (dp_size rows, equal K per rank, K a multiple of align), then coverage of every step at
+once (a sample missing, or in two places, is named with where it is — before the loss scales or
+the cap trip over its symptom: ``_check_coverage``), micro-batch contents (arrays
 aligned and matching the batch, placeholders empty; under placement="local" every sample on its
 ``rank_of``), the token cap counting padding (the footprint of the config's layout, re-derived
 here, not read from the Micro) and the vision cap / micro_batch_size, CP
@@ -133,6 +135,9 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             _fail(f"step {s}: {K} micro-batches per rank is not a positive multiple of align={cfg.align}")
         if K < cfg.pipeline_stages:
             _fail(f"step {s}: {K} micro-batches per rank is fewer than pipeline_stages={cfg.pipeline_stages}")
+    _check_coverage(b, steps, dropped)
+    for s, step in enumerate(steps):
+        K = step.micro_count
         flat = _Flat(step, K)
         _screen_micros(b, cfg, s, flat, fp)
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
@@ -175,6 +180,50 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
             bad = np.flatnonzero((hi >= 0) & (lo != hi))
             if bad.size:
                 _fail(f"{name} {int(bad[0])} spans steps {int(lo[bad[0]])} and {int(hi[bad[0]])}")
+
+
+def _check_coverage(b: Batch, steps: Sequence[Step], dropped: np.ndarray) -> None:
+    """Name a sample that is missing (in no micro-batch and not dropped) or in two places, and
+    where, before the later checks trip over its symptom (a loss scale off by the missing sample's
+    tokens, a cap overflowed by the doubled one). A CP group's members hold the same samples: only
+    its cp_rank-0 member counts. Indices out of range are left to the micro-batch checks."""
+    n = b.num_samples
+    micros = [m for step in steps for row in step.micros for m in row]
+    lead = [m.indices for m in micros if m.cp_rank == 0]
+    idx = np.concatenate([*lead, np.asarray(dropped, dtype=np.int64)]).astype(np.int64, copy=False)
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        return
+    count = np.bincount(idx, minlength=n)
+    twice = np.flatnonzero(count > 1)
+    if twice.size:
+        i = int(twice[0])
+        places = _places_of(steps, i)
+        drops = int(np.count_nonzero(dropped == i))
+        if drops > 1:
+            _fail(f"sample {i} is listed twice in dropped")
+        if drops:
+            _fail(f"sample {i} is both dropped and planned (in {places[0]}); a sample trains once or is dropped")
+        _fail(f"sample {i} appears in {'two' if len(places) == 2 else len(places)} micro-batches: "
+              f"{' and '.join(places)}; every sample trains in exactly one micro-batch")
+    missing = np.flatnonzero(count == 0)
+    if missing.size:
+        seen = np.zeros(n, dtype=bool)  # held by a CP member whose fields the CP checks will name
+        for m in micros:
+            seen[m.indices] = True
+        missing = missing[~seen[missing]]
+    if missing.size:
+        i = int(missing[0])
+        peers = np.flatnonzero((b.prompt_codes == b.prompt_codes[i]) & (count > 0) & ~np.isin(np.arange(n), dropped))
+        near = f"; its prompt group's sample {int(peers[0])} trains in {_places_of(steps, int(peers[0]))[0]}" \
+            if peers.size else ""
+        _fail(f"sample {i} is neither planned nor dropped: it is in no micro-batch and not in dropped "
+              f"({missing.size} such sample{'s' if missing.size > 1 else ''}){near}")
+
+
+def _places_of(steps: Sequence[Step], i: int) -> list[str]:
+    """Where sample ``i`` trains: ``"step s, rank r, micro m"`` per cp_rank-0 micro-batch holding it."""
+    return [f"step {s}, rank {r}, micro {k}" for s, step in enumerate(steps) for r, row in enumerate(step.micros)
+            for k, m in enumerate(row) if m.cp_rank == 0 and (m.indices == i).any()]
 
 
 def _check_zero_scales(flat: _Flat, s: int) -> None:
