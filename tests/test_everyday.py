@@ -188,7 +188,7 @@ def test_a_damaged_plan_file_names_field_and_place(tmp_path: Path, trace: Path, 
 
 def test_steps_that_cannot_form_exit_2_naming_the_option(trace: Path, capsys: pytest.CaptureFixture) -> None:
     err = _err(capsys, ["plan", str(trace), "--dp", "2", "--max-tokens", "9000", "--prompts-per-step", "1000"])
-    assert "all 160 samples would be dropped; set prompts_per_step (CLI --prompts-per-step) to at most 40" in err
+    assert "all 160 samples would be dropped; set --prompts-per-step to at most 40" in err   # the CLI's own words
     with pytest.raises(mp.PlanError, match=r"prompts_per_step=3\) forms no optimizer step"):
         mp.plan(mp.Batch([5, 6], prompt_ids=[0, 1]),
                 mp.PlanConfig(dp_size=1, max_tokens_per_micro=10, steps=mp.Steps(prompts_per_step=3)))
@@ -232,11 +232,66 @@ def test_picture_legend_explains_every_colour_and_the_axis_note_matches_a_tick()
     ax = fig.subplots()
     _rank_bars(ax, plan, cost, list(range(len(plan.steps))))
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
-    assert labels[:2] == ["rank total", f"costliest rank ({int(np.argmax(cost.sum(axis=1)))})"]
+    assert f"{plan.stats.rank_imbalance:.3f}" == "1.000"           # balanced: no "costliest rank" alarm
+    assert labels[:2] == ["rank total", "ranks balanced: none costlier (max/mean 1.000)"]
+    assert {tuple(np.round(p.get_facecolor(), 3)) for p in ax.patches} == {(0.298, 0.447, 0.69, 1.0)}  # all blue
     assert labels[2].startswith("mean ") and labels[3].startswith("lower bound ") and "coincide" in labels[3]
     start = re.search(r"axis starts at (\S+), not 0", ax.get_xlabel())[1]
     assert start == ax.get_xticklabels()[0].get_text()
     assert ax.get_xlim()[0] == ax.get_xticks()[0]
+
+
+def _draw(plan: mp.Plan, step: int | None):
+    from matplotlib.figure import Figure
+
+    from microplan.viz import _grids, _heatmap
+    steps = list(range(len(plan.steps))) if step is None else [step]
+    cost, tokens, holes, pads, ks = _grids(plan, steps)
+    fig = Figure(figsize=(12, 5))
+    ax = fig.subplots()
+    _heatmap(fig, ax, plan, cost, tokens, holes, pads, ks, step)
+    return fig, ax, cost, pads
+
+
+def test_picture_scale_from_0_caption_slot_ticks_and_padding() -> None:
+    """Issue 29: the scale started at the cheapest cell (a 1 % difference looked dramatic), nothing
+    said what good looks like, slots had no ticks, padding was not drawn."""
+    from matplotlib.collections import PatchCollection
+
+    from microplan.viz import CAPTION
+    plan = _demo_plan()
+    fig, ax, cost, _ = _draw(plan, None)
+    assert ax.images[0].norm.vmin == 0 and ax.images[0].norm.vmax == cost.max()
+    label = " ".join(fig.axes[-1].get_xlabel().split())
+    assert "scale from 0" in label and " ".join(CAPTION.split()) in label and "one colour down each column" in label
+    assert len(ax.get_xticks(minor=True)) == cost.shape[1]          # one tick under every slot
+    assert not any(isinstance(c, PatchCollection) for c in ax.collections)   # varlen: nothing to pad
+    padded = mp.plan(generate("grpo-longtail", num_prompts=6, max_len=8192, seed=0),
+                     mp.PlanConfig(dp_size=8, max_tokens_per_micro=16384, layout="padded-2d"))
+    fig, ax, _, pads = _draw(padded, 0)
+    held = sum(m.num_tokens for row in padded.steps[0].micros for m in row)
+    real = sum(m.real_tokens for row in padded.steps[0].micros for m in row)
+    assert held > real and (pads > 0).any()
+    bands = [c for c in ax.collections if isinstance(c, PatchCollection)]
+    assert len(bands) == 1 and len(bands[0].get_paths()) == int((pads > 0).sum())
+    assert "padding share" in fig.axes[-1].get_xlabel()
+
+
+def test_picture_marks_the_costliest_rank_only_when_ranks_differ(tmp_path: Path) -> None:
+    from matplotlib.figure import Figure
+
+    from microplan.viz import _rank_bars, plot_plan
+    uneven = mp.plan(mp.Batch([100, 100, 100, 100, 50]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=200))
+    assert f"{uneven.stats.rank_imbalance:.3f}" != "1.000"
+    from microplan.stats import micro_cost_grid
+    fig = Figure()
+    ax = fig.subplots()
+    cost = micro_cost_grid(uneven, 0)
+    _rank_bars(ax, uneven, cost, [0])
+    worst = int(np.argmax(cost.sum(axis=1)))
+    assert [t.get_text() for t in ax.get_legend().get_texts()][1] == f"costliest rank ({worst})"
+    assert tuple(np.round(ax.patches[worst].get_facecolor(), 3)) == (0.839, 0.153, 0.157, 1.0)   # red
+    assert plot_plan(uneven, tmp_path / "u.png").stat().st_size > 0
 
 
 def test_examples_print_their_result_first_and_grammar() -> None:
@@ -257,3 +312,26 @@ def test_a_missing_installed_package_fails_the_run_with_the_install_line(tmp_pat
                          timeout=300)
     assert out.returncode != 0 and "skipped" not in out.stdout, out.stdout[-2000:]
     assert 'the README\'s test command installs it: pip install torch==2.13.0 -e ".[test,verl,trl]"' in out.stdout
+
+
+# -- API honesty (issue 29) ----------------------------------------------------------------------------
+
+def test_seed_is_documented_as_what_it_does() -> None:
+    """PlanConfig.seed is read by no stage: its docstring said it seeds randomised tie-breaking."""
+    b = generate("bimodal", num_prompts=16, max_len=4096, seed=3)
+    plans = [mp.plan(b, mp.PlanConfig(dp_size=4, max_tokens_per_micro=4096, seed=s)) for s in (0, 7)]
+    assert plans[0].steps == plans[1].steps and plans[0].fingerprint() != plans[1].fingerprint()
+    doc = " ".join(mp.PlanConfig.__doc__.split())
+    assert "tie-breaking" not in doc and "the seed does not change the layout" in doc and "fingerprint" in doc
+
+
+def test_pack_micro_is_annotated_with_what_it_returns() -> None:
+    require("torch")
+    import typing
+
+    from microplan.torch import PackedMicro, PaddedMicro, pack_micro
+    assert typing.get_type_hints(pack_micro)["return"] == PackedMicro | PaddedMicro
+    plan = mp.plan(mp.Batch([5, 7, 6]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=64, layout="padded"))
+    import torch
+    tokens = [torch.arange(n) for n in plan.batch.seq_lens.tolist()]
+    assert isinstance(pack_micro(plan.steps[0].micros[0][0], tokens), PaddedMicro)

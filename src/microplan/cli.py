@@ -134,7 +134,9 @@ def _add_layout(p: argparse.ArgumentParser) -> None:
     cp = p.add_mutually_exclusive_group()
     cp.add_argument("--cp-size", type=_int(1), metavar="C", help="fixed context-parallel degree")
     cp.add_argument("--cp-max-size", type=_int(1), metavar="C", help="dynamic context parallel up to C GPUs (power of two)")
-    p.add_argument("--seed", type=_int(0), default=0, help="seed of tie-breaking")
+    p.add_argument("--seed", type=_int(0), default=0,
+                   help="PlanConfig.seed, recorded in the plan (the planner draws no random number: the layout is the "
+                        "same for any seed)")
     p.add_argument("--pipeline-stages", type=_int(1), default=1, metavar="P",
                    help="pipeline-parallel stages: K >= P micro-batches per rank, run in 1F1B order")
     p.add_argument("--virtual-stages", type=_int(1), default=1, metavar="V",
@@ -165,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--dp", type=_int(1), default=8, help="data-parallel ranks")
     d.add_argument("--max-tokens", type=_int(1), default=16384, metavar="T", help="tokens per GPU per micro-batch")
     d.add_argument("--num-prompts", type=_int(1), default=256, metavar="P")
-    d.add_argument("--seed", type=_int(0), default=0, help="seed of the trace and the plan")
+    d.add_argument("--seed", type=_int(0), default=0, help="seed of the synthetic trace (recorded in the plan too)")
     _add_output(d, "microplan_demo.png")
     d.set_defaults(func=_cmd_demo)
     p = sub.add_parser("plan", help="plan a batch file (JSONL, CSV, Parquet)")

@@ -233,7 +233,10 @@ class PlanConfig:
             no_sync) — it minimises max_r Σ_m cost.
         loss: a :class:`Loss` (default ``Loss("token-mean")``).
         context_parallel: a :class:`ContextParallel`, or None for none.
-        seed: seed of any randomised tie-breaking; same inputs + seed give the same plan.
+        seed: reserved for a randomised planning stage; no stage of this version draws a random
+            number, so the seed does not change the layout (every step, micro-batch and loss
+            scale is the same for any seed). It is recorded in the plan's JSON, and so in its
+            fingerprint: ranks that plan with different seeds disagree on the fingerprint.
         share_prefixes: pack each micro-batch as the prefix tree of its samples (the Batch's
             ``prefix_parent``/``shared_prefix_lens``), every shared token once: the cap counts
             unique tokens and ``Micro.num_tokens`` is what the GPU holds. Needs dynamic batching

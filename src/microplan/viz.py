@@ -1,13 +1,19 @@
 """One picture of a plan: a ranks × micro-batches heat map of predicted cost, plus rank totals.
 
 Design note. Left panel: cell (r, m) is micro-batch m of rank r, coloured by its predicted cost
-under the plan's cost model (``microplan.stats.micro_cost_grid``); placeholders are grey and
-hatched; with ``step=None`` all steps sit side by side, separated by white lines. Small grids
-(≤ 16 ranks, ≤ 256 cells) print each cell's tokens per GPU; large ones (dp=128) stay a clean
-heat map with thinned ticks. Right panel: each rank's total cost (bars, same rows; the costliest
-rank red), with the mean and the time lower bound marked. The title carries dp, K vs its lower
-bound, max tokens vs the cap, lockstep and step-sync time vs the lower bound, imbalance and
-placeholder count.
+under the plan's cost model (``microplan.stats.micro_cost_grid``) on a scale that starts at 0,
+so a 1 % difference looks like 1 % (a scale from the smallest cost to the largest made a
+balanced plan look dramatic); placeholders are grey and hatched; a cell's padding (tokens the
+GPU holds for no sample: padded layouts, padding multiples) is a white dotted band across its
+top whose height is the padding's share of the cell. With ``step=None`` all steps sit side by
+side, separated by white lines, a tick under every slot. Small grids (≤ 16 ranks, ≤ 256 cells)
+print each cell's tokens per GPU; large ones (dp=128) stay a clean heat map with thinned labels.
+Right panel: each rank's total cost (bars, same rows), with the mean and the time lower bound
+marked; the costliest rank is red only when the ranks differ (max/mean ≥ 1.0005: the
+imbalance, printed to 3 decimals, is above 1.000), never at perfect balance. The title carries
+dp, K vs its lower bound, max tokens vs the cap, lockstep and step-sync time vs the lower bound,
+imbalance and placeholder count; the caption under the colour bar says how to read it: what
+good looks like (one colour down every column, equal bars at the lower bound).
 
 Legibility rules (checked by looking at the PNG at its default size): every colour and line is in
 a legend or the colour-bar label; when the mean and the lower bound lie within ~1 px of each other
@@ -22,6 +28,7 @@ behind ``savefig``), never pyplot: no global backend switch, safe inside noteboo
 from __future__ import annotations
 
 import os
+import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -71,15 +78,24 @@ def _cp_groups(plan: Plan, steps: list[int]) -> list[tuple[int, int, int, int]]:
     return out
 
 
-def _grids(plan: Plan, steps: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int]]:
-    """Cost, per-GPU tokens and placeholder mask, steps side by side; plus each step's K."""
-    costs, tokens, holes = [], [], []
+def _grids(plan: Plan, steps: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, list[int]]:
+    """Cost, per-GPU tokens, placeholder mask and padding share (padding / tokens held; 0 with
+    shared prefixes, whose trees hold fewer tokens than their samples), steps side by side;
+    plus each step's K."""
+    costs, tokens, holes, pads = [], [], [], []
+    shared = plan.config.share_prefixes
     for s in steps:
         micros = plan.steps[s].micros
         costs.append(micro_cost_grid(plan, s))
-        tokens.append(np.array([[-(-m.num_tokens // m.cp_size) for m in row] for row in micros], dtype=np.int64))
+        held = np.array([[m.num_tokens for m in row] for row in micros], dtype=np.int64)
+        cp = np.array([[m.cp_size for m in row] for row in micros], dtype=np.int64)
+        tokens.append(-(-held // cp))
         holes.append(np.array([[m.is_placeholder for m in row] for row in micros], dtype=bool))
-    return np.hstack(costs), np.hstack(tokens), np.hstack(holes), [plan.steps[s].micro_count for s in steps]
+        real = np.array([[m.real_tokens for m in row] for row in micros], dtype=np.int64)
+        pad = np.zeros(held.shape) if shared else np.where(held > 0, (held - real) / np.maximum(held, 1), 0.0)
+        pads.append(np.clip(pad, 0.0, 1.0))
+    return (np.hstack(costs), np.hstack(tokens), np.hstack(holes), np.hstack(pads),
+            [plan.steps[s].micro_count for s in steps])
 
 
 def _title(plan: Plan, steps: list[int]) -> str:
@@ -100,8 +116,15 @@ def _title(plan: Plan, steps: list[int]) -> str:
     cp = plan.config.context_parallel
     cpdesc = "" if cp is None else (f" · CP={cp.size}" if cp.size else f" · dynamic CP ≤{cp.max_size}")
     ratio = (lambda t: f"{t / lb:.3f}× LB") if lb > 0 else (lambda t: "n/a")
-    return (f"microplan · {head} · dp={cfg.dp_size}{cpdesc} · {kdesc} · {ph} placeholder{'s' if ph != 1 else ''}\n"
-            f"max {mx:,} tokens/GPU vs {cap} · predicted time: lockstep {ratio(lock)}, "
+    held = real = 0
+    if not cfg.share_prefixes:     # a prefix tree holds fewer tokens than its samples: no padding to show
+        for s in steps:
+            for row in plan.steps[s].micros:
+                held += sum(m.num_tokens for m in row)
+                real += sum(m.real_tokens for m in row)
+    paddesc = f" · padding {100 * (held - real) / held:.1f} % of held tokens" if held > real else ""
+    return (f"microplan · {head} · dp={cfg.dp_size}{cpdesc} · {kdesc} · {ph} placeholder{'s' if ph != 1 else ''}"
+            f"{paddesc}\nmax {mx:,} tokens/GPU vs {cap} · predicted time: lockstep {ratio(lock)}, "
             f"step-sync {ratio(sync)} · rank imbalance {imb:.3f}")
 
 
@@ -125,12 +148,12 @@ def plot_plan(plan: Plan, path: str | os.PathLike[str], *, step: int | None = 0,
     if step is not None and not (isinstance(step, int) and 0 <= step < n):
         raise PlanError(f"step={step!r} is outside 0..{n - 1}; pick a step of the plan or None for all.")
     steps = list(range(n)) if step is None else [step]
-    cost, tokens, holes, ks = _grids(plan, steps)
+    cost, tokens, holes, pads, ks = _grids(plan, steps)
     dp, cols = cost.shape
     size = (max(11.0, min(18.0, 6.0 + 0.28 * cols)), max(4.5, min(10.0, 3.4 + 0.42 * dp)))
     fig = Figure(figsize=size, layout="constrained")
     ax, axb = fig.subplots(1, 2, sharey=True, gridspec_kw={"width_ratios": [4, 1]})
-    _heatmap(fig, ax, plan, cost, tokens, holes, ks, step)
+    _heatmap(fig, ax, plan, cost, tokens, holes, pads, ks, step)
     _rank_bars(axb, plan, cost, steps)
     fig.suptitle(_title(plan, steps), fontsize=10)
     out = Path(path)
@@ -149,7 +172,7 @@ def cost_units(config: Any) -> str:
 
 
 def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray, holes: np.ndarray,
-             ks: list[int], step: int | None) -> None:
+             pads: np.ndarray, ks: list[int], step: int | None) -> None:
     import matplotlib as mpl
     from matplotlib.patches import Rectangle
 
@@ -157,11 +180,12 @@ def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray
     cmap = mpl.colormaps["viridis"].with_extremes(bad="#d0d0d0")
     shown = np.ma.masked_array(cost, mask=holes)
     real = cost[~holes]
-    vmin, vmax = (float(real.min()), float(real.max())) if real.size else (0.0, 1.0)
+    vmin, vmax = 0.0, (float(real.max()) if real.size else 1.0)   # from 0: differences at their true size
     im = ax.imshow(shown, aspect="auto", cmap=cmap, vmin=vmin, vmax=max(vmax, vmin + 1e-9),
                    interpolation="nearest")
     for r, m in zip(*np.nonzero(holes)):
         ax.add_patch(Rectangle((m - 0.5, r - 0.5), 1, 1, fill=False, hatch="///", edgecolor="#808080", lw=0))
+    padded = _padding_bands(ax, pads)
     groups = _cp_groups(plan, list(range(len(plan.steps))) if step is None else [step])
     for m, r0, r1, _c in groups:
         ax.add_patch(Rectangle((m - 0.5, r0 - 0.5), 1, r1 - r0 + 1, fill=False, edgecolor="white",
@@ -180,7 +204,10 @@ def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray
         every = max(1, len(ks) // 24)
         ax.set_xticks(centers[::every], [f"step {s}" for s in range(len(ks))][::every],
                       fontsize=8, rotation=0 if len(ks) <= 10 else 45)
-        ax.set_xlabel("micro-batch slots, step by step")
+        ax.set_xticks(np.arange(cols) if cols <= 400 else _ticks(cols), minor=True)   # a tick under every slot
+        ax.xaxis.remove_overlapping_locs = False   # a slot under a step label keeps its tick too
+        ax.tick_params(axis="x", which="major", length=0, pad=6)
+        ax.set_xlabel("micro-batch slots (one tick each), step by step")
     else:
         ax.set_xticks(_ticks(cols))
         ax.set_xlabel(f"micro-batch m (step {step})")
@@ -191,8 +218,31 @@ def _heatmap(fig: Any, ax: Any, plan: Plan, cost: np.ndarray, tokens: np.ndarray
     note = "; cell text: tokens per GPU" if dp <= _TEXT_MAX_RANKS and dp * cols <= _TEXT_MAX_CELLS else ""
     note += "; white boxes: context-parallel groups" if groups else ""
     note += "; white lines separate steps" if step is None and len(ks) > 1 else ""
-    cbar.set_label(f"predicted micro-batch cost ({cost_units(plan.config)}); grey hatched 'empty' = placeholder "
-                   f"(an empty micro-batch that keeps K equal){note}", fontsize=8)
+    note += "; white dotted band: the cell's padding share (tokens held for no sample)" if padded else ""
+    label = (f"predicted micro-batch cost ({cost_units(plan.config)}, scale from 0); grey hatched 'empty' = "
+             f"placeholder (an empty micro-batch that keeps K equal){note}")
+    width = int(fig.get_size_inches()[0] * 0.8 * 14)   # characters of 8 pt text across the heat map
+    cbar.set_label("\n".join([textwrap.fill(label, width), textwrap.fill(CAPTION, width)]), fontsize=8)
+
+
+#: How to read the picture, printed under the colour bar.
+CAPTION = ("How to read it: each column is one micro-batch slot, which every rank runs at the same time; "
+           "good = one colour down each column (no rank waits for a slower one) and equal rank totals at the "
+           "green lower bound.")
+
+
+def _padding_bands(ax: Any, pads: np.ndarray) -> bool:
+    """A white dotted band across the top of every cell with padding, its height the padding's
+    share of the cell (one PatchCollection: cheap at dp=128). True when any cell has padding."""
+    from matplotlib.collections import PatchCollection
+    from matplotlib.patches import Rectangle
+
+    rows, cols = np.nonzero(pads > 0)
+    if not rows.size:
+        return False
+    bands = [Rectangle((m - 0.5, r - 0.5), 1, float(pads[r, m])) for r, m in zip(rows, cols)]
+    ax.add_collection(PatchCollection(bands, facecolor=(1, 1, 1, 0.35), edgecolor="white", hatch="...", lw=0))
+    return True
 
 
 def _ticks(n: int) -> np.ndarray:
@@ -202,9 +252,10 @@ def _ticks(n: int) -> np.ndarray:
 
 
 def _rank_bars(ax: Any, plan: Plan, cost: np.ndarray, steps: list[int]) -> None:
-    """Each rank's total cost: blue bars, the costliest rank red; mean (black dashes) and lower bound
-    (green) as vertical lines; when they (nearly) coincide the lines are drawn side by side in
-    styles that stay visible, and the legend says they coincide. Every colour is in the legend."""
+    """Each rank's total cost: blue bars, the costliest rank red when the ranks differ (not at a
+    printed imbalance of 1.000); mean (black dashes) and lower bound (green) as vertical lines;
+    when they (nearly) coincide the lines are drawn side by side in styles that stay visible, and
+    the legend says they coincide. Every colour is in the legend."""
     from matplotlib.patches import Patch
 
     totals = cost.sum(axis=1)
@@ -212,7 +263,8 @@ def _rank_bars(ax: Any, plan: Plan, cost: np.ndarray, steps: list[int]) -> None:
     lb = sum(plan.stats.steps[s].time_lower_bound for s in steps)
     mean = float(totals.mean())
     worst = int(np.argmax(totals))
-    colours = np.where(np.arange(dp) == worst, _WORST, _BAR)
+    uneven = mean > 0 and round(float(totals.max()) / mean, 3) > 1.0   # what the title prints as imbalance
+    colours = np.where((np.arange(dp) == worst) & uneven, _WORST, _BAR)
     ax.barh(np.arange(dp), totals, height=0.8 if dp <= 64 else 1.0, color=colours)
     hi, lo = max(float(totals.max()), lb), min(float(totals.min()), lb)
     span = max(hi - lo, 0.02 * hi)               # zoom, but never magnify < 2 % differences
@@ -223,7 +275,9 @@ def _rank_bars(ax: Any, plan: Plan, cost: np.ndarray, steps: list[int]) -> None:
     close = abs(mean - lb) < 0.004 * (hi + 0.25 * span - left)  # under ~1 px apart at the usual width
     ax.axvline(lb, color=_LB, lw=3.0 if close else 1.5, alpha=0.6 if close else 1.0, zorder=2)
     ax.axvline(mean, color="black", ls=(0, (3, 2)), lw=1.2, zorder=3)
-    handles = [Patch(color=_BAR, label="rank total"), Patch(color=_WORST, label=f"costliest rank ({worst})"),
+    flag = (Patch(color=_WORST, label=f"costliest rank ({worst})") if uneven else
+            Patch(color="none", label="ranks balanced: none costlier (max/mean 1.000)"))
+    handles = [Patch(color=_BAR, label="rank total"), flag,
                _line("black", (0, (3, 2)), f"mean {sig(mean)}"),
                _line(_LB, "-", f"lower bound {sig(lb)}" + (" (= mean: lines coincide)" if close else ""))]
     tick_left = _tick_labels(ax, hi)

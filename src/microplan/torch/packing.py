@@ -370,8 +370,9 @@ def _placeholder(micro: Micro, pad_token_id: int, weight_dtype: torch.dtype, mul
 
 def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
                loss_masks: Sequence[Any] | Mapping[int, Any] | None = None, pad_token_id: int = 0,
-               weight_dtype: torch.dtype = torch.float64) -> PackedMicro:
-    """Pack ``micro``'s samples into one varlen row (binding API; see the module note).
+               weight_dtype: torch.dtype = torch.float64) -> PackedMicro | PaddedMicro:
+    """Pack ``micro``'s samples into one varlen row (binding API; see the module note) — or, for a
+    plan of ``layout="padded"`` / ``"padded-2d"``, into a :class:`PaddedMicro` (``[n, W]`` rows).
 
     Args:
         micro: a :class:`microplan.Micro` from ``plan.steps[s].micros[rank][m]``.
@@ -500,3 +501,6 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
         parts.append(torch.full((packed.row_pad,), fill, dtype=parts[-1].dtype))
     out = torch.cat(parts)
     return out.to(dtype) if dtype is not None else out
+
+
+from .padded import PaddedMicro  # noqa: E402  (last: padded.py imports this module's helpers)
