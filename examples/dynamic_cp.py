@@ -5,8 +5,15 @@
 
 ``ContextParallel(max_size=4)``: ``dp_size`` counts every GPU of the DP×CP plane, and the plan
 cuts each micro slot into power-of-two CP groups (never empty) so that no GPU holds more than
-``max_tokens_per_micro``, choosing the widths by predicted time — here groups of 2 in one step and
-of 4 in the other: three distinct CP process groups.
+``max_tokens_per_micro``, choosing the widths by predicted time. For these rollouts (24 samples
+of 12-115 tokens, a cap of 160 per GPU) the fastest choice is one group of all 4 GPUs in every
+slot of both steps, so one CP process group is created in step 0 and reused in step 1 (another
+batch may mix widths; the recipe below does not change). It prints, the errors varying in
+their last digit::
+
+    OK step 0: K=2 micro slots, CP sizes [4], 1 CP process group, 8 sharded micro-batch runs, gradient relative error vs per-sample reference 3.3e-16
+    OK step 1: K=2 micro slots, CP sizes [4], 1 CP process group, 8 sharded micro-batch runs, gradient relative error vs per-sample reference 3.8e-16
+
 Each rank: ``plan_distributed`` over the plane → ``exchange_samples`` (every member of a CP group
 receives its micro-batch's samples) → one process group per distinct CP group, created by every
 rank in the same sorted order and cached across steps (the docs/integration.md recipe) → per
@@ -142,7 +149,7 @@ def run(rank: int, world: int) -> None:
         assert int(sharded) > 0, f"step {s} has no CP group wider than 1: the example would not exercise CP"
         if rank == 0:
             print(f"OK step {s}: K={plan.steps[s].micro_count} micro slots, CP sizes {sizes}, "
-                  f"{len(cp_pgs)} CP process groups, {int(sharded)} sharded micro-batch runs, "
+                  f"{len(cp_pgs)} CP process group{'s' if len(cp_pgs) != 1 else ''}, {int(sharded)} sharded micro-batch runs, "
                   f"gradient relative error vs per-sample reference {err:.1e}")
 
 

@@ -8,7 +8,10 @@ step by step, with loss scales) plus the tensors of exactly those samples. Worke
 processes (a process pool stands in for Ray actors); they need no torch.distributed and never
 plan. Each worker returns its summed micro-batch gradients per step; the driver averages them
 (the 'mean' all-reduce a DP engine performs) and checks the result against a single-process
-reference of the objective. Prints a per-worker table and ``OK`` lines; exits non-zero on error.
+reference of the objective. Prints ``OK`` lines and a per-worker table; exits non-zero on error::
+
+    OK step 0: mean of 4 worker gradients = reference ∇J (max diff 1.7e-18)
+    OK step 1: mean of 4 worker gradients = reference ∇J (max diff 1.5e-18)
 """
 
 from __future__ import annotations

@@ -12,6 +12,11 @@ them) → per step, per micro-batch: ``pack_micro`` → model → ``token_logpro
 against a single-process reference of the objective. Then a forward-only pass returns per-sample
 log-probs to their home ranks with ``exchange_outputs``. Prints ``OK`` lines; exits non-zero on
 any mismatch. A toy per-token model keeps it CPU-fast; swap in any HF causal LM (packed rows).
+It prints (the differences vary in their last digits)::
+
+    OK step 0: K=2 micro-batches/rank, 24 samples, max |grad - reference| = 2.3e-18
+    OK step 1: K=3 micro-batches/rank, 24 samples, max |grad - reference| = 1.4e-18
+    OK forward-only: 12 log-prob sums back on rank 0 in local order; plan 34faef8cee19 agreed by 4 ranks
 """
 
 from __future__ import annotations

@@ -7,13 +7,15 @@ global index, so every rank (and the parent) knows what each tensor must contain
 
 from __future__ import annotations
 
+import ast
+import re
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-from _examples import SELF_CHECKING, run_example
+from _examples import EXAMPLES_DIR, SELF_CHECKING, run_example
 from _gloo import RankError, run_gloo
 
 import microplan as mp
@@ -213,6 +215,13 @@ def test_examples_run_and_check_themselves(script: str) -> None:
     out = run_example(script, timeout=90)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "OK step 0" in out.stdout and "OK step 1" in out.stdout, out.stdout
+    # the docstring quotes the run's OK lines as printed (float errors and fingerprints masked: they
+    # vary in their last digits; a different K, CP size or count is a docstring to update)
+    doc = ast.get_docstring(ast.parse((EXAMPLES_DIR / script).read_text())) or ""
+    mask = lambda text: re.sub(r"\b[0-9a-f]{12}\b", "<fp>", re.sub(r"\d\.\de-\d+", "<err>", text))  # noqa: E731
+    quoted = [line.strip() for line in mask(doc).splitlines() if line.strip().startswith("OK ")]
+    printed = [line.strip() for line in mask(out.stdout).splitlines() if line.startswith("OK ")]
+    assert quoted == printed, (quoted, printed)
 
 
 def test_helpers_refuse_without_an_initialised_group() -> None:
