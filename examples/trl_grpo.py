@@ -1,6 +1,6 @@
 """TRL's GRPOTrainer with microplan's gradient-accumulation split: one real optimizer step, on CPU.
 
-    python examples/trl_grpo.py          # needs: pip install 'microplan[trl]'
+    python examples/trl_grpo.py          # needs: pip install -e ".[trl]" (in the clone)
 
 ``microplan.integrations.trl.install(trainer)`` replaces TRL's ``split_tensor_dict`` (equal row
 counts, in order) with token-balanced chunks trimmed to their own longest completion. The

@@ -216,7 +216,7 @@ def test_plot_placeholders_and_errors(tmp_path: Path, monkeypatch: pytest.Monkey
         return real_import(name, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "__import__", no_mpl)
-    with pytest.raises(mp.PlanError, match=r"pip install 'microplan\[plot\]'"):
+    with pytest.raises(mp.PlanError, match=r"pip install -e '\.\[plot\]' in the microplan clone"):
         plot_plan(plan, tmp_path / "y.png")
 
 

@@ -46,8 +46,8 @@ PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").
 # blocks per page when this test was written: a page may gain blocks, never silently lose them
 MIN_BLOCKS = {"README.md": 1, "docs/context_parallel.md": 1, "docs/cost.md": 5, "docs/integration.md": 8,
               "docs/layouts.md": 1, "docs/loss.md": 2, "docs/passes.md": 3, "docs/prefix.md": 3}
-EXTRAS = {"torch": "pip install 'microplan[torch]'", "transformers": "pip install 'microplan[hf]'",
-          "tensordict": "pip install 'microplan[verl]'", "verl": INSTALL_HINT, "trl": "pip install 'microplan[trl]'"}
+EXTRAS = {"torch": "pip install -e '.[torch]'", "transformers": "pip install -e '.[hf]'",
+          "tensordict": "pip install -e '.[verl]'", "verl": INSTALL_HINT, "trl": "pip install -e '.[trl]'"}
 MARKER = re.compile(r"^<!--\s*(?:fragment:\s*(?P<fragment>\S+)|(?P<continues>continues))\s*-->\s*$")
 MAX_OUTPUT_CHARS = 20_000   # per page, stdout + stderr
 # A guard against a sample that blows up, in CPU seconds of the page's process (one torch thread):

@@ -200,7 +200,7 @@ def test_demo_without_matplotlib_says_no_png(monkeypatch: pytest.MonkeyPatch, ca
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     monkeypatch.chdir(tmp_path)
     err = _err(capsys, ["demo", "--num-prompts", "16"])
-    assert "pip install 'microplan[plot]' (or pass --no-png)" in err and "leave out --png" not in err
+    assert "pip install -e '.[plot]' in the microplan clone (or pass --no-png)" in err and "leave out --png" not in err
     trace = tmp_path / "t.jsonl"
     write_batch(mp.Batch([5, 6]), trace)
     err = _err(capsys, ["plan", str(trace), "--dp", "1", "--max-tokens", "10", "--png", "x.png"])
@@ -335,3 +335,52 @@ def test_pack_micro_is_annotated_with_what_it_returns() -> None:
     import torch
     tokens = [torch.arange(n) for n in plan.batch.seq_lens.tolist()]
     assert isinstance(pack_micro(plan.steps[0].micros[0][0], tokens), PaddedMicro)
+
+
+# -- the README and the docs read as a newcomer reads them (issue 29) ----------------------------------
+
+def test_readme_says_what_microplan_is_and_defines_its_terms_before_using_them() -> None:
+    text = (ROOT / "README.md").read_text()
+    body = text[text.index("```", text.index("```bash") + 3) + 3:]          # after the two commands
+    first_time = re.search(r"\d+ (s|min)\b|~\d", body).start()
+    assert body.index("**microplan** plans the data layout") < first_time
+    for term, definition in (("K", "**K** is"), ("LB", "**LB** is"), ("lockstep", "**lockstep**"), ("VPP", "**VPP** is")):
+        assert definition in body, term
+        use = re.search(rf"(?<![\w*`]){re.escape(term)}(?![\w*])", body)   # first use outside its definition
+        assert use is None or body.index(definition) <= use.start(), (term, body[use.start() - 80:use.start() + 20])
+    assert "bundled" not in text.lower()                  # the demo's trace is generated, not shipped
+    assert "TokenCost" in body[:body.index("## Shared prefixes")] and "--hf-config" in body
+
+
+def test_readme_and_ci_quote_the_same_suite_times() -> None:
+    times = lambda t: set(re.findall(r"~?\d+(?:\.\d+)?\s*(?:min(?: \d+ s)?|s)\b", t))  # noqa: E731
+    ci = "\n".join(line for line in (ROOT / ".ci/run").read_text().splitlines() if line.startswith("#"))
+    readme = (ROOT / "README.md").read_text()
+    assert times(ci) and times(ci) <= times(readme), (times(ci), times(readme))
+
+
+def test_readme_lists_every_batch_file_column() -> None:
+    from microplan.io import FIELDS
+    section = (ROOT / "README.md").read_text().split("## Command line")[1].split("\n## ")[0]
+    assert all(f"`{name}`" in section for name in FIELDS), [n for n in FIELDS if f"`{n}`" not in section]
+    assert "--share-prefixes" in section and "--version" in section
+
+
+def test_the_reading_paths_cover_every_docs_page() -> None:
+    pages = {p.name for p in (ROOT / "docs").glob("*.md")} - {"README.md"}
+    path = set(re.findall(r"\]\(([\w.]+\.md)", (ROOT / "docs" / "README.md").read_text()))
+    assert pages <= path, pages - path
+    row = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `docs/` |"))
+    assert pages <= set(re.findall(r"\(docs/([\w.]+\.md)", row)), pages - set(re.findall(r"\(docs/([\w.]+\.md)", row))
+    for page in pages:                                     # the two opening lines docs/README.md promises
+        head = (ROOT / "docs" / page).read_text().splitlines()[:5]
+        assert any(h.startswith("**What it answers:**") for h in head), page
+        assert any(h.startswith("**When to read it:**") for h in head), page
+
+
+def test_nothing_tells_users_to_install_microplan_from_the_package_index() -> None:
+    files = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "examples").glob("*.py"),
+             *(ROOT / "src").rglob("*.py")]
+    bad = [f"{f.relative_to(ROOT)}: {m[0]}" for f in files
+           for m in re.finditer(r"pip install [\"']?microplan\[[^\]]*\][\"']?", f.read_text())]
+    assert not bad, bad                                    # not on the index: the clone's editable install is the way

@@ -137,9 +137,9 @@ def test_parquet_without_pyarrow_gives_install_hint(tmp_path: Path, monkeypatch:
 
     (tmp_path / "x.parquet").write_bytes(b"PAR1")   # an existing file: a missing one is "no such file"
     monkeypatch.setattr(builtins, "__import__", no_pyarrow)
-    with pytest.raises(mp.PlanError, match=r"pip install 'microplan\[parquet\]'"):
+    with pytest.raises(mp.PlanError, match=r"pip install -e '\.\[parquet\]' in the microplan clone"):
         read_batch(tmp_path / "x.parquet")
-    with pytest.raises(mp.PlanError, match=r"pip install 'microplan\[parquet\]'"):
+    with pytest.raises(mp.PlanError, match=r"pip install -e '\.\[parquet\]' in the microplan clone"):
         write_batch(mp.Batch([1]), tmp_path / "x.parquet")
 
 

@@ -162,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     top = _Parser(prog="microplan", description="Plan the data layout of distributed LLM RL training.")
     top.add_argument("--version", action="version", version=f"microplan {__version__}")
     sub = top.add_subparsers(dest="command", required=True, metavar="{demo,plan,validate,trace}")
-    d = sub.add_parser("demo", help="plan a bundled synthetic trace and show the result")
+    d = sub.add_parser("demo", help="generate a synthetic RL trace, plan it and show the result")
     d.add_argument("--family", choices=FAMILIES, default="grpo-longtail")
     d.add_argument("--dp", type=_int(1), default=8, help="data-parallel ranks")
     d.add_argument("--max-tokens", type=_int(1), default=16384, metavar="T", help="tokens per GPU per micro-batch")
@@ -259,7 +259,7 @@ def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
             skip = "pass --no-png" if hasattr(args, "no_png") else "leave out --png"
-            raise PlanError(f"writing {args.png} needs matplotlib: pip install 'microplan[plot]' (or {skip}).")
+            raise PlanError(f"writing {args.png} needs matplotlib: pip install -e '.[plot]' in the microplan clone (or {skip}).")
         from .viz import plot_plan
         if args.step is not None and args.step >= len(plan.steps):
             raise PlanError(f"--step {args.step} is outside the plan's steps 0..{len(plan.steps) - 1}.")

@@ -20,7 +20,7 @@ Every refusal is a :class:`PlanError` naming the file, the line (JSONL, 1-based)
 (CSV/Parquet: data row, 1-based, header excluded), the field and the value; an error about a
 sample found later (a batch invariant, a sample over the cap when planning: see
 :func:`locate_samples`) names the sample's line too. A missing file is "no such file" whatever
-its extension, and :func:`read_plan` given a batch file says so. Parquet needs ``pyarrow`` (``pip install 'microplan[parquet]'``), imported lazily.
+its extension, and :func:`read_plan` given a batch file says so. Parquet needs ``pyarrow`` (``pip install -e '.[parquet]'`` in the microplan clone), imported lazily.
 The planning core stays pure: nothing outside this module touches files.
 """
 
@@ -383,7 +383,7 @@ def _pyarrow_parquet() -> Any:
         import pyarrow as pa  # noqa: F401
         import pyarrow.parquet as pq
     except ImportError:
-        raise PlanError("reading or writing Parquet needs pyarrow: pip install 'microplan[parquet]' "
+        raise PlanError("reading or writing Parquet needs pyarrow: pip install -e '.[parquet]' in the microplan clone "
                         "(or use JSONL/CSV).") from None
     return pq
 

@@ -62,7 +62,7 @@ def _figure_class() -> Any:
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise PlanError("plotting needs matplotlib: pip install 'microplan[plot]'.") from None
+        raise PlanError("plotting needs matplotlib: pip install -e '.[plot]' in the microplan clone.") from None
     return Figure
 
 

@@ -68,7 +68,7 @@ __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare
            "restore_dynamic_batch", "plan_micro_batches", "VerlLayout", "loss_weights", "VerlLossWeights",
            "VERL_LOSS_MODES", "install", "uninstall", "installed", "INSTALL_HINT", "token_counts", "TokenCounts"]
 
-INSTALL_HINT = ("pip install 'microplan[verl]' && pip install --no-deps verl==0.9.1 (verl pins transformers < 5.11: "
+INSTALL_HINT = ("pip install -e '.[verl]' (in the microplan clone) && pip install --no-deps verl==0.9.1 (verl pins transformers < 5.11: "
                 "keep --no-deps so torch and transformers stay)")
 #: verl's ``calculate_workload`` (FLOPs ∝ 24576·L + L², hidden size 4096 baked in), plus a fixed
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra

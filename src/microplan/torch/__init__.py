@@ -1,6 +1,6 @@
 """microplan.torch: turn a plan's micro-batches into tensors, losses and restored outputs.
 
-Install with ``pip install microplan[torch]``. One training step on rank ``r``::
+Install with ``pip install -e '.[torch]'`` in the microplan clone. One training step on rank ``r``::
 
     from microplan.torch import pack_micro, token_logprobs, weighted_loss, restore_order
 
@@ -39,7 +39,7 @@ from __future__ import annotations
 try:
     import torch as _torch  # noqa: F401
 except ModuleNotFoundError as exc:  # pragma: no cover - exercised only without torch
-    raise ImportError("microplan.torch needs PyTorch: pip install 'microplan[torch]'") from exc
+    raise ImportError("microplan.torch needs PyTorch: pip install -e '.[torch]' in the microplan clone") from exc
 
 from .attention import register_attention
 from .distributed import (LocalView, Routes, collective_guard, exchange_outputs, exchange_samples, gather_batch,
