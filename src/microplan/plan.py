@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from functools import cached_property
 from typing import Any
 
@@ -97,17 +98,42 @@ class Plan:
         return format_summary(self)
 
     def to_dict(self) -> dict[str, Any]:
+        return {**self._head(), "steps": [[[m.to_dict() for m in row] for row in step.micros] for step in self.steps]}
+
+    def _head(self) -> dict[str, Any]:
+        """Every part of :meth:`to_dict` but the steps' micro-batches."""
         reasons: dict[str, list[int]] = {}
         for i, why in self.drop_reasons.items():
             reasons.setdefault(why, []).append(i)
         return {
             "format": FORMAT, "version": VERSION, "kind": self.kind,
             "batch": self.batch.to_dict(), "config": self.config.to_dict(),
-            "steps": [[[m.to_dict() for m in row] for row in step.micros] for step in self.steps],
             "choices": [None if step.choice is None else step.choice.to_dict() for step in self.steps],
             "dropped": self.dropped.tolist(),
             "drop_reasons": [[why, idx] for why, idx in reasons.items()],
         }
+
+    def _json_chunks(self) -> Iterator[str]:
+        """:meth:`to_json` (compact) in pieces, one rank's micro-batches at a time: their
+        concatenation is exactly ``to_json()`` (JSON encodes part by part), without holding every
+        micro-batch's dict at once — a plan of dp 1,000,000 would hold ~1M of them."""
+        def dumps(v: Any) -> str:
+            return json.dumps(v, sort_keys=True, separators=(",", ":"), allow_nan=False)
+        head = self._head()
+        yield "{"
+        for n, key in enumerate(sorted([*head, "steps"])):
+            yield ("," if n else "") + dumps(key) + ":"
+            if key != "steps":
+                yield dumps(head[key])
+                continue
+            yield "["
+            for k, step in enumerate(self.steps):
+                yield ("," if k else "") + "["
+                for r, row in enumerate(step.micros):
+                    yield ("," if r else "") + dumps([m.to_dict() for m in row])
+                yield "]"
+            yield "]"
+        yield "}"
 
     def to_json(self, *, indent: int | None = None) -> str:
         """Canonical JSON (sorted keys); ``from_json(p.to_json()) == p`` exactly."""
@@ -171,8 +197,12 @@ class Plan:
         return cls.from_dict(d)
 
     def fingerprint(self) -> str:
-        """SHA-256 hex digest of the canonical JSON: equal plans give equal fingerprints anywhere."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()
+        """SHA-256 hex digest of the canonical JSON (``to_json()``): equal plans give equal
+        fingerprints anywhere. Hashed as it is encoded, one rank's micro-batches at a time."""
+        h = hashlib.sha256()
+        for chunk in self._json_chunks():
+            h.update(chunk.encode())
+        return h.hexdigest()
 
 
 def _micro_from_dict(m: Any, batch: Batch, shared: bool, fp: Any, where: Where) -> Micro:
