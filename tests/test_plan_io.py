@@ -190,11 +190,14 @@ def test_plan_json_with_a_huge_length_or_no_kind_is_refused(tmp_path, capsys):
         assert main(["validate", str(path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("microplan: error: ") and err.count("\n") == 1 and "Traceback" not in err
-    # version 1 predates the field: such a plan reads as a training plan
+    # plans written before the field (and the pipeline fields that came with it) read as training plans
     d = json.loads(plan.to_json())
     d.pop("kind"), d.pop("choices")
     d["version"] = 1
     assert mp.Plan.from_json(json.dumps(d)).kind == "train"
+    d = json.loads(plan.to_json())
+    del d["kind"], d["config"]["pipeline_stages"], d["config"]["virtual_stages"]
+    assert mp.Plan.from_json(json.dumps(d)) == plan
 
 
 def test_cap_exceeded():

@@ -31,7 +31,8 @@ __all__ = ["Plan", "FORMAT", "VERSION", "PLAN_KINDS"]
 FORMAT = "microplan.plan"
 VERSION = 2
 _READS = (1, 2)  # version 1: no per-step K choice
-PLAN_KINDS = ("train", "forward")  # "kind" in the JSON: required from version 2 on (version 1 predates it: "train")
+PLAN_KINDS = ("train", "forward")  # "kind" in the JSON: absent only in plans written before it and the pipeline
+#                                   fields (config without "pipeline_stages"), which read as "train"
 
 
 class Plan:
@@ -150,7 +151,10 @@ class Plan:
             raise PlanError(f"plan format version {d.get('version')!r} is not supported (this microplan reads "
                             f"version {VERSION}); re-plan with this version.")
         top = Where("(top level)")
-        kind = field(d, "kind", top) if d["version"] >= 2 else "train"
+        # "kind" came with the pipeline fields: a plan whose config has them but no kind was damaged
+        cfg_d = d.get("config")
+        older = d["version"] < 2 or (isinstance(cfg_d, dict) and "pipeline_stages" not in cfg_d)
+        kind = "train" if older and "kind" not in d else field(d, "kind", top)
         if kind not in PLAN_KINDS:
             raise top.fail(f"field 'kind'={kind!r} must be one of {', '.join(map(repr, PLAN_KINDS))}")
         batch_d = field(d, "batch", top)
