@@ -149,7 +149,8 @@ def run(rank: int, world: int) -> None:
         assert int(sharded) > 0, f"step {s} has no CP group wider than 1: the example would not exercise CP"
         if rank == 0:
             print(f"OK step {s}: K={plan.steps[s].micro_count} micro slots, CP sizes {sizes}, "
-                  f"{len(cp_pgs)} CP process group{'s' if len(cp_pgs) != 1 else ''}, {int(sharded)} sharded micro-batch runs, "
+                  f"{len(cp_pgs)} CP process group{'s' if len(cp_pgs) != 1 else ''}, "
+                  f"{int(sharded)} sharded micro-batch runs, "
                   f"gradient relative error vs per-sample reference {err:.1e}")
 
 

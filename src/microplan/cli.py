@@ -174,7 +174,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", metavar="FILE")
     p.add_argument("--format", choices=("jsonl", "csv", "parquet"), help="override the format implied by the extension")
     p.add_argument("--ignore-columns", type=_names, default=(), metavar="NAME[,NAME...]",
-                   help="columns of the file that are not microplan's (reward, text); any other unknown column is refused")
+                   help="columns of the file that are not microplan's (reward, text); any other unknown column "
+                        "is refused")
     p.add_argument("--dp", type=_int(1), required=True, help="data-parallel ranks")
     _add_layout(p)
     _add_output(p, None)
@@ -259,7 +260,8 @@ def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:
         import importlib.util
         if importlib.util.find_spec("matplotlib") is None:
             skip = "pass --no-png" if hasattr(args, "no_png") else "leave out --png"
-            raise PlanError(f"writing {args.png} needs matplotlib: pip install -e '.[plot]' in the microplan clone (or {skip}).")
+            raise PlanError(f"writing {args.png} needs matplotlib: pip install -e '.[plot]' in the microplan clone "
+                            f"(or {skip}).")
         from .viz import plot_plan
         if args.step is not None and args.step >= len(plan.steps):
             raise PlanError(f"--step {args.step} is outside the plan's steps 0..{len(plan.steps) - 1}.")
