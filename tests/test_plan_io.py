@@ -151,6 +151,9 @@ def test_missing_or_doubled_sample_is_named_with_where_not_its_symptom():
                                    key=lambda pq: pq[0][2].num_tokens + pq[1][2].seq_lens[0])
     i = int(y.indices[0])
     dup = _micro(plan, list(x.indices) + [i], list(x.loss_scale) + [_scale_of(plan, i)], x)
+    twice = _micro(plan, list(x.indices) + [int(x.indices[0])], list(x.loss_scale) + [float(x.loss_scale[0])], x)
+    _invalid(_replace_micros(plan, 0, {(r0, m0): twice}),
+             rf"sample {int(x.indices[0])} appears 2 times in step 0, rank {r0}, micro {m0}; every sample trains once")
     first, second = sorted([(r0, m0), (r1, m1)])
     _invalid(_replace_micros(plan, 0, {(r0, m0): dup}),
              rf"sample {i} appears in two micro-batches: step 0, rank {first[0]}, micro {first[1]} and step 0, "
@@ -170,6 +173,15 @@ def test_validate_cli_names_missing_and_doubled_samples(tmp_path, capsys):
     assert main(["validate", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"sample {gone} is neither planned nor dropped" in err, err
+    d = json.loads(plan.to_json())                          # the sample trains in a second micro-batch too
+    rows = d["steps"][0]
+    r2 = next(r for r in range(1, len(rows)) if rows[r][0]["indices"])
+    rows[r2][0]["indices"].append(gone)
+    rows[r2][0]["loss_scale"].append(0.5)
+    path.write_text(json.dumps(d))
+    assert main(["validate", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"sample {gone} appears in two micro-batches: step 0, rank 0, micro {k} and step 0, rank {r2}, micro 0" in err
 
 
 def test_plan_json_with_a_huge_length_or_no_kind_is_refused(tmp_path, capsys):

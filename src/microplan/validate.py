@@ -203,6 +203,8 @@ def _check_coverage(b: Batch, steps: Sequence[Step], dropped: np.ndarray) -> Non
             _fail(f"sample {i} is listed twice in dropped")
         if drops:
             _fail(f"sample {i} is both dropped and planned (in {places[0]}); a sample trains once or is dropped")
+        if len(places) == 1:
+            _fail(f"sample {i} appears {int(count[i])} times in {places[0]}; every sample trains once")
         _fail(f"sample {i} appears in {'two' if len(places) == 2 else len(places)} micro-batches: "
               f"{' and '.join(places)}; every sample trains in exactly one micro-batch")
     missing = np.flatnonzero(count == 0)
