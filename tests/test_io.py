@@ -190,7 +190,7 @@ def test_unknown_field_is_refused_by_name_with_the_nearest_and_the_known_ones(tm
     assert read_batch(p, ignore_columns=["prompt_ids"]).num_prompts == 2   # skipped on purpose: no groups
     c = tmp_path / "typo.csv"
     c.write_text("seq_len,rollout_ids,reward\n5,1,0.5\n")
-    with pytest.raises(mp.PlanError, match=r"row 1: unknown field 'rollout_ids' \(did you mean 'rollout_id'"):
+    with pytest.raises(mp.PlanError, match=r"typo\.csv header row: unknown field 'rollout_ids' \(did you mean 'rollout_id'"):
         read_batch(c, ignore_columns="reward")
 
 
@@ -210,7 +210,7 @@ def test_parquet_unknown_and_duplicated_columns(tmp_path: Path) -> None:
     import pyarrow.parquet as pq
     p = tmp_path / "cols.parquet"
     pq.write_table(pa.table({"seq_len": [5, 6], "promt_id": [1, 1]}), p)
-    with pytest.raises(mp.PlanError, match=r"unknown field 'promt_id' \(did you mean 'prompt_id'"):
+    with pytest.raises(mp.PlanError, match=r"cols\.parquet columns: unknown field 'promt_id' \(did you mean 'prompt_id'"):
         read_batch(p)
     pq.write_table(pa.table({"seq_len": [5, 6], "reward": [None, 1.0]}), p)
     assert read_batch(p, ignore_columns=["reward"]).seq_lens.tolist() == [5, 6]   # an ignored null is fine

@@ -12,15 +12,18 @@ with ``ignore_columns=("reward", "text")`` (CLI: ``--ignore-columns reward,text`
 given twice (a CSV header ``seq_len,seq_len``, a JSON object with one key twice) is refused. A
 file is UTF-8 text (a UTF-8 byte-order mark, as spreadsheet exports write, is skipped); a UTF-16
 or UTF-32 file, or bytes that are not UTF-8, are refused naming the encoding or the line and
-saying how to convert. An optional field is either in every record or in none. Lengths are whole numbers up to 2**40 (1e30 is refused, not overflowed); ids are ints or strings (in CSV, an id
-column whose every cell is a canonical int reads as ints, else as strings — use JSONL to keep
+saying how to convert. An optional field is either in every record or in none. Lengths are
+whole numbers up to 2**40 (1e30 is refused, not overflowed); ids are ints or strings (in CSV, an
+id column whose every cell is a canonical int reads as ints, else as strings — use JSONL to keep
 string ids like ``"7"``). JSONL and Parquet are typed: a length written as a string
 (``{"seq_len": "200"}``) is refused, not guessed; only CSV, which has no types, parses text.
 Every refusal is a :class:`PlanError` naming the file, the line (JSONL, 1-based) or row
 (CSV/Parquet: data row, 1-based, header excluded), the field and the value; an error about a
 sample found later (a batch invariant, a sample over the cap when planning: see
 :func:`locate_samples`) names the sample's line too. A missing file is "no such file" whatever
-its extension, and :func:`read_plan` given a batch file says so. Parquet needs ``pyarrow`` (``pip install -e '.[parquet]'`` in the microplan clone), imported lazily.
+its extension, and :func:`read_plan` given a batch file says so. Parquet needs ``pyarrow``
+(``pip install -e '.[parquet]'`` in the microplan clone), imported lazily. Files are read whole
+(batch files are megabytes; the columns built from them dominate anyway).
 The planning core stays pure: nothing outside this module touches files.
 """
 
@@ -116,8 +119,9 @@ def read_batch_file(path: PathLike, *, format: str | None = None, ignore_columns
     locations: list[str] = []
     known = frozenset(FIELDS) | ignore
     for n, (loc, rec) in enumerate(reader(p)):
-        if not known.issuperset(rec):
-            raise _unknown_field(p, loc, next(k for k in rec if k not in known))
+        if not known.issuperset(rec):  # CSV and Parquet: every record has the file's columns
+            where = {"csv": "header row", "parquet": "columns"}.get(fmt, loc)
+            raise _unknown_field(p, where, next(k for k in rec if k not in known))
         _add_record(p, loc, rec, n, columns, typed=fmt != "csv")
         locations.append(loc)
     if not columns:
