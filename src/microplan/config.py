@@ -18,6 +18,8 @@ from .cost.models import CostModel, FlopsCost, TokenCost, cost_from_dict
 from .cost.vision import VisionCost
 from .errors import PlanError
 from .footprint import LAYOUTS, Layout
+from .memory.config import check_memory, memory_dict, memory_from_config_dict
+from .memory.model import MemoryModel
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
 
@@ -290,11 +292,14 @@ class PlanConfig:
     max_vision_tokens_per_micro: int | None = None
     vision_cost: VisionCost | None = None
     placement: Placement = "global"
+    memory: MemoryModel | None = None
+    max_bytes_per_micro: int | None = None
 
     def __post_init__(self) -> None:
         set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731
         set_("dp_size", int_field("PlanConfig.dp_size", self.dp_size, minimum=1, maximum=MAX_COUNT))
-        if (self.max_tokens_per_micro is None) == (self.micro_batch_size is None):
+        check_memory(self, set_)
+        if (self.max_tokens_per_micro is None) == (self.micro_batch_size is None) and self.memory is None:
             got = ("both max_tokens_per_micro={} and micro_batch_size={}".format(self.max_tokens_per_micro,
                                                                                  self.micro_batch_size)
                    if self.max_tokens_per_micro is not None else "neither")
@@ -307,7 +312,7 @@ class PlanConfig:
                 raise PlanError(f"PlanConfig.max_tokens_per_micro={self.max_tokens_per_micro} is beyond any GPU "
                                 "(at most 2**50 supported); set it to the most tokens one GPU may process in one "
                                 "micro-batch.")
-        else:
+        elif self.memory is None:  # a memory budget without a token cap: check_memory refused micro_batch_size
             set_("micro_batch_size", int_field("PlanConfig.micro_batch_size", self.micro_batch_size, minimum=1))
         if self.steps is not None and not isinstance(self.steps, Steps):
             raise PlanError(f"PlanConfig.steps must be a microplan.Steps or None, got {type(self.steps).__name__}; "
@@ -334,7 +339,7 @@ class PlanConfig:
             if not isinstance(cp, ContextParallel):
                 raise PlanError(f"PlanConfig.context_parallel must be a microplan.ContextParallel or None, got {cp!r}; "
                                 "pass e.g. context_parallel=ContextParallel(size=2).")
-            if self.max_tokens_per_micro is None:
+            if not self.dynamic:
                 raise PlanError("context_parallel needs dynamic batching: set max_tokens_per_micro, not micro_batch_size.")
             if cp.dynamic and cp.max_size > self.dp_size:  # type: ignore[operator]
                 raise PlanError(f"ContextParallel.max_size={cp.max_size} exceeds dp_size={self.dp_size} (the GPUs of "
@@ -346,7 +351,7 @@ class PlanConfig:
         set_("seed", int_field("PlanConfig.seed", self.seed, minimum=0))
         if not isinstance(self.share_prefixes, bool):
             raise PlanError(f"PlanConfig.share_prefixes={self.share_prefixes!r} must be True or False.")
-        if self.share_prefixes and self.max_tokens_per_micro is None:
+        if self.share_prefixes and not self.dynamic:
             raise PlanError("PlanConfig.share_prefixes=True needs dynamic batching (a micro-batch holds a prefix tree "
                             "of unique tokens, not a sample count): set max_tokens_per_micro, not micro_batch_size.")
         if self.placement not in ("global", "local"):
@@ -385,7 +390,7 @@ class PlanConfig:
     @property
     def dynamic(self) -> bool:
         """True for token-capped (dynamic) batching, False for fixed ``micro_batch_size``."""
-        return self.max_tokens_per_micro is not None
+        return self.max_tokens_per_micro is not None or self.memory is not None
 
     @property
     def static_cp_size(self) -> int:
@@ -411,6 +416,7 @@ class PlanConfig:
             "pipeline_stages": self.pipeline_stages, "virtual_stages": self.virtual_stages,
             **_layout_dict(self),
             **({"placement": self.placement} if self.placement != "global" else {}),
+            **memory_dict(self),
         }
 
     @classmethod
@@ -423,7 +429,7 @@ class PlanConfig:
                    context_parallel=None if d["context_parallel"] is None else ContextParallel(**d["context_parallel"]),
                    seed=d["seed"], share_prefixes=bool(d.get("share_prefixes", False)),
                    pipeline_stages=d.get("pipeline_stages", 1), virtual_stages=d.get("virtual_stages", 1),
-                   placement=d.get("placement", "global"), **_layout_from_dict(d))
+                   placement=d.get("placement", "global"), **_layout_from_dict(d), **memory_from_config_dict(d))
 
 
 # -- layouts, padding rules and vision tokens (issue 11; footprint.py) ------------------------------
@@ -460,7 +466,7 @@ def _check_layout(cfg: PlanConfig, set_: Any) -> None:
     v = cfg.max_vision_tokens_per_micro
     if v is not None:
         set_("max_vision_tokens_per_micro", int_field("PlanConfig.max_vision_tokens_per_micro", v, minimum=1))
-        if cfg.max_tokens_per_micro is None:
+        if not cfg.dynamic:
             raise PlanError("max_vision_tokens_per_micro needs dynamic batching: set max_tokens_per_micro, not "
                             "micro_batch_size.")
     if cfg.vision_cost is not None and not isinstance(cfg.vision_cost, VisionCost):

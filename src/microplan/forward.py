@@ -13,7 +13,9 @@ geometry or exactly the training one.
   short_step="pad"``); ``config.max_tokens_per_micro`` is the *forward* cap — no activations
   are kept for backward, so it is usually 2–4× the training cap, bounded by the logits memory
   (:func:`microplan.logits_token_cap`) — and ``config.cost`` balances it (use a forward-only
-  cost, e.g. ``FlopsCost.from_hf_config(cfg, backward_factor=0)``).
+  cost, e.g. ``FlopsCost.from_hf_config(cfg, backward_factor=0)``). With a memory budget
+  (``PlanConfig(memory=M, max_bytes_per_micro=B)``) the pass plans against B with ``M.forward``
+  (no saved activations: more tokens per micro-batch than training), M itself when it has none.
 - ``like=train_plan``: the training plan's geometry, step by step — every micro-batch holds the
   same samples in the same order on the same rank and slot — so the forward computes each
   token's log-prob from the very same packed row as the training forward: bit-identical
@@ -70,8 +72,11 @@ def plan_forward(batch: Batch, config: PlanConfig, *, like: Plan | None = None) 
     if like is not None:
         return _like(batch, config, like)
     cfg = replace(config, steps=None, short_step="pad")
+    if cfg.memory is not None:  # the no-grad pass's model against the same byte budget (memory/model.py)
+        cfg = replace(cfg, memory=cfg.memory.forward_model())
     _check_forward_cap(batch, cfg)
     own = plan(batch, cfg)
+    cfg = own.config  # with a byte budget: the token cap the planner chose
     steps = []
     for step in own.steps:  # a forward-only pipeline has its own best order (none for 1F1B without VPP)
         step = order_step(step, step_cost_grid(batch, cfg, step), cfg, backward_ratio=0.0)

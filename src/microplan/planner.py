@@ -53,8 +53,18 @@ def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None 
     """:func:`plan` with a minimum micro-batch count per rank and step (local placement only).
 
     K is at least ``max(min_micro_count, config.pipeline_stages)``, aligned. Integrations whose
-    framework asks for a minimum count (verl's ``min_num_micro_batch``) pass it here.
+    framework asks for a minimum count (verl's ``min_num_micro_batch``) pass it here. With a
+    memory budget (``PlanConfig.max_bytes_per_micro``) the token cap is chosen so every
+    micro-batch's predicted bytes fit (``memory/plan.py``).
     """
+    if isinstance(config, PlanConfig) and config.memory is not None:
+        from .memory.plan import plan_with_memory
+        return plan_with_memory(batch, config, lambda b, c: _build_plan(b, c, min_micro_count))
+    return _build_plan(batch, config, min_micro_count)
+
+
+def _build_plan(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> Plan:
+    """:func:`build_plan` under the config's token cap."""
     ctx = _context(batch, config, min_micro_count)
     split = split_steps(batch, config.steps)                     # steps: groups never split
     reasons = {int(i): split.reason for i in split.dropped}

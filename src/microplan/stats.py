@@ -287,7 +287,15 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         tokens_with_sharing=sum(p.tokens_with_sharing for p in per_step),
         tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step),
         pipeline_time=pipe_total, pipeline_bubble=_bubble(lock if cfg.sync == "micro" else sync, pipe_total, cfg),
-        split_lower_bound=sum(p.split_lower_bound for p in per_step))
+        split_lower_bound=sum(p.split_lower_bound for p in per_step), max_micro_bytes=_max_bytes(batch, cfg, steps, fp))
+
+
+def _max_bytes(batch: Batch, cfg: PlanConfig, steps: Sequence[Step], fp: Footprint) -> int | None:
+    """The largest predicted bytes of any micro-batch under the config's memory model (None without one)."""
+    if cfg.memory is None:
+        return None
+    from .memory.check import plan_micro_bytes
+    return max((int(g.max()) for g in plan_micro_bytes(batch, cfg, steps, fp) if g.size), default=0)
 
 
 def _bubble(predicted: float, pipeline: float, cfg: PlanConfig) -> float:

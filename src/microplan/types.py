@@ -373,6 +373,8 @@ class PlanStats:
             sample on its ``rank_of`` can do (``stats.split_lower_bound``: the busiest rank's own
             bound at the fewest micro-batches the fullest rank needs, and ``time_lower_bound``);
             0 under global placement.
+        max_micro_bytes: with a memory model (``PlanConfig.memory``), the largest predicted peak
+            bytes one GPU adds in any micro-batch (before the model's margin); None without one.
     """
 
     num_steps: int
@@ -395,6 +397,7 @@ class PlanStats:
     pipeline_time: float = 0.0
     pipeline_bubble: float = 0.0
     split_lower_bound: float = 0.0
+    max_micro_bytes: int | None = None
 
     @property
     def time_ratio(self) -> float:

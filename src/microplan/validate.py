@@ -32,6 +32,7 @@ from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
 from .footprint import Footprint, footprint_of, gpu_tokens, micro_footprint
+from .memory.check import check_byte_cap
 from .prefix import forest_of, micro_tree
 from .stages.weigh import loss_coefficients, loss_scales
 from .types import Micro, Step, _same_rules
@@ -166,6 +167,7 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
     if set(drop_reasons) != set(dropped.tolist()):
         _fail("drop_reasons does not give a reason for exactly the dropped samples")
     owner[dropped] = len(steps)
+    check_byte_cap(b, cfg, steps, fp)  # the byte budget (memory/check.py): a no-op without a memory model
     lost = np.flatnonzero(owner < 0)
     if lost.size:
         _fail(f"sample {int(lost[0])} is neither planned nor dropped ({lost.size} such samples)")

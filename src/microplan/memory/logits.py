@@ -16,8 +16,8 @@ chunked log-probs (``microplan.torch.chunked_token_logprobs``) the logits never 
 
 from __future__ import annotations
 
-from ._checks import int_field
-from .errors import PlanError
+from .._checks import int_field
+from ..errors import PlanError
 
 __all__ = ["logits_bytes", "logits_token_cap"]
 

@@ -1,0 +1,135 @@
+"""Planning against bytes: ``PlanConfig(memory=M, max_bytes_per_micro=B)``.
+
+Design note. The planner's stages pack under a token cap; bytes are a function of what a
+micro-batch holds (``memory/check.py``), monotone in its tokens but not additive over its samples
+(Σ L², T² terms). So the byte budget is met by choosing the token cap, per plan, and checking
+every micro-batch's bytes:
+
+1. Every sample alone must fit: its predicted bytes in a micro-batch of its own (over the widest
+   CP group the config allows), margin included, ≤ B; else a PlanError naming the sample, its
+   bytes, the budget and the fixes (context parallel, chunked log-probs, checkpointing).
+2. Bracket the cap: ``hi`` = the most tokens one GPU may hold before its linear terms alone exceed
+   B (and ≤ ``max_tokens_per_micro`` when given: both caps hold); ``lo`` = the least cap at which
+   every sample fits a micro-batch (``footprint.check_fits``).
+3. Plan at ``hi``; if every micro-batch's bytes fit, done. Else binary-search the largest cap in
+   [lo, hi) whose plan fits (each candidate planned in full and checked with the same function
+   validate uses). The plan returned is always one that was checked; if even ``lo`` does not fit
+   (a dense-mask model: two short samples at the longest sample's length hold more than it alone),
+   a PlanError names the micro-batch and the fix.
+
+The plan's config carries the cap chosen (``max_tokens_per_micro``) beside the memory model, so
+``Plan.validate`` checks both and planning again from ``plan.config`` gives the same plan (its
+cap is tried first). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..errors import PlanError
+from ..footprint import check_fits, footprint_of
+from .check import FIXES, plan_micro_bytes, sample_bytes
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..batch import Batch
+    from ..config import PlanConfig
+    from ..plan import Plan
+
+__all__ = ["plan_with_memory", "byte_token_bound"]
+
+
+def _widest_cp(cfg: PlanConfig) -> int:
+    cp = cfg.context_parallel
+    if cp is None:
+        return 1
+    return int(cp.max_size if cp.dynamic else cp.size)  # type: ignore[arg-type]
+
+
+def byte_token_bound(cfg: PlanConfig) -> int:
+    """The most tokens one GPU may hold before ``per_micro + per_token·tokens`` alone, margin
+    included, exceeds the budget (every other term only adds bytes); at least 1."""
+    m, b = cfg.memory, cfg.max_bytes_per_micro
+    assert m is not None and b is not None
+    room = b / (1.0 + m.margin) - m.per_micro
+    return max(1, min(2 ** 50, int(room // m.per_token)))
+
+
+def _check_alone(batch: Batch, cfg: PlanConfig) -> None:
+    m, budget = cfg.memory, cfg.max_bytes_per_micro
+    assert m is not None and budget is not None
+    width = _widest_cp(cfg)
+    alone = m.with_margin(sample_bytes(footprint_of(batch, cfg), m, width))
+    if alone.size and int(alone.max()) > budget:
+        j = int(np.argmax(alone))
+        cp = f" over a CP group of {width} GPUs" if width > 1 else ""
+        raise PlanError(f"sample {j} ({int(batch.seq_lens[j]):,} tokens) alone{cp} is predicted to add "
+                        f"{int(alone[j]):,} bytes (margin {m.margin:.1%} included), more than "
+                        f"max_bytes_per_micro={budget:,}. Fix: {FIXES}.")
+
+
+def _least_cap(batch: Batch, cfg: PlanConfig, hi: int) -> int:
+    """The least token cap at which every sample fits a micro-batch (check_fits is monotone in it)."""
+    fp = footprint_of(batch, cfg)
+    try:
+        check_fits(fp, replace(cfg, max_tokens_per_micro=hi))
+    except PlanError as exc:
+        raise PlanError(f"with the token cap {hi:,} that max_bytes_per_micro={cfg.max_bytes_per_micro:,} allows "
+                        f"(or max_tokens_per_micro, when given): {exc}") from None
+    lo, top = 0, hi  # check fails at lo (or lo = 0), passes at top
+    while top - lo > 1:
+        mid = (lo + top) // 2
+        try:
+            check_fits(fp, replace(cfg, max_tokens_per_micro=mid))
+            top = mid
+        except PlanError:
+            lo = mid
+    return top
+
+
+def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[[Batch, PlanConfig], Plan]) -> Plan:
+    """Plan ``batch`` so every micro-batch's predicted bytes fit ``config.max_bytes_per_micro``
+    (see the module note); ``build(batch, cfg)`` plans under a token cap."""
+    _check_alone(batch, config)
+    hi = byte_token_bound(config)
+    if config.max_tokens_per_micro is not None:
+        hi = min(hi, config.max_tokens_per_micro)
+    lo = _least_cap(batch, config, hi)
+    fp = footprint_of(batch, config)
+
+    def attempt(cap: int) -> tuple[Plan, tuple[int, int, int, int] | None]:
+        cfg = replace(config, max_tokens_per_micro=cap)
+        p = build(batch, cfg)
+        for s, grid in enumerate(plan_micro_bytes(batch, cfg, p.steps, fp)):
+            over = np.argwhere(config.memory.with_margin(grid) > config.max_bytes_per_micro)  # type: ignore[union-attr]
+            if over.size:
+                r, m = (int(x) for x in over[0])
+                return p, (s, r, m, int(grid[r, m]))
+        return p, None
+
+    best, bad = attempt(hi)
+    if bad is None:
+        return best
+    first_bad = bad
+    if lo < hi:
+        p, bad = attempt(lo)
+        if bad is None:
+            best, good = p, lo
+            top = hi
+            while top - good > 1:
+                mid = (good + top) // 2
+                p, bad = attempt(mid)
+                if bad is None:
+                    best, good = p, mid
+                else:
+                    top = mid
+            return best
+    s, r, m, nbytes = bad if bad is not None else first_bad
+    raise PlanError(f"no token cap keeps every micro-batch under max_bytes_per_micro={config.max_bytes_per_micro:,}: "
+                    f"at the least cap that holds every sample ({lo:,} tokens), step {s}, rank {r}, micro {m} is "
+                    f"predicted to add {nbytes:,} bytes (margin {config.memory.margin:.1%} on top). The memory "
+                    "model charges packed rows more than lone samples (a dense mask); use a per-sample attention "
+                    f"kernel (flash-attn varlen, microplan.torch.register_attention()), or {FIXES}.")  # type: ignore[union-attr]
