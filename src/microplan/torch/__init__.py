@@ -31,6 +31,8 @@ member's share of a flat or tree row; under ``with context_parallel(group):`` th
 Measured cost (docs/cost.md): ``register_attention`` (per-sample varlen attention for
 transformers models), ``profile_cost`` (time designed micro-batches, fit the cost model),
 ``MicroTimer`` / ``lockstep_records`` (time the loop's micro-batches for a ``CostMeter``).
+Measured memory (docs/memory.md): ``profile_memory`` (peak bytes of designed micro-batches, fit
+a ``MemoryModel``), ``peak_bytes`` (one call's peak above what was allocated before it).
 The numpy core never imports torch; this package never changes the plan.
 """
 
@@ -49,7 +51,9 @@ from .cp_attention import context_parallel
 from .forward import forward_logprobs, run_forward
 from .loss import next_token_labels, next_token_weights, token_logprobs, weighted_loss
 from .packing import PackedMicro, pack_micro, pack_values
+from .memtrack import peak_bytes
 from .profile import ProfileDesign, attention_regime, profile_cost, profile_design
+from .profile_memory import MemoryProfile, profile_memory
 from .padded import PaddedMicro
 from .restore import Restored, restore_order
 from .timing import MicroTimer, MicroTiming, lockstep_records, time_call
@@ -64,6 +68,8 @@ __all__ = [
     # measured cost: profiling, timing in the loop (docs/cost.md)
     "profile_cost", "profile_design", "ProfileDesign", "attention_regime", "MicroTimer", "MicroTiming",
     "lockstep_records", "time_call",
+    # measured memory (docs/memory.md)
+    "profile_memory", "MemoryProfile", "peak_bytes",
     # collectives over torch.distributed (process group passed explicitly; see distributed.py)
     "gather_batch", "local_view", "LocalView", "verify_agreement", "plan_distributed",
     "exchange_samples", "exchange_outputs", "routes", "Routes", "collective_guard",
