@@ -1,0 +1,187 @@
+"""MemoryModel and planning against bytes (core, numpy only): PlanConfig(memory=, max_bytes_per_micro=)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import microplan as mp
+from microplan.memory.check import step_micro_bytes
+from microplan.memory.fit import fit_memory
+from microplan.footprint import footprint_of
+
+LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, hidden_act="silu")
+MiB = 2 ** 20
+
+
+def _model(kind: str = "varlen", margin: float = 0.0) -> mp.MemoryModel:
+    return {"linear": mp.MemoryModel(per_token=30_000.0, per_micro=1e6, margin=margin),
+            "varlen": mp.MemoryModel(per_token=30_000.0, per_sample_sq=40.0, per_micro=1e6, margin=margin),
+            "packed": mp.MemoryModel(per_token=30_000.0, per_row_sq=9.0, per_micro=1e6, margin=margin)}[kind]
+
+
+# -- the model ---------------------------------------------------------------------------------
+def test_micro_bytes_regimes():
+    v = _model("varlen")
+    assert v.micro_bytes([1000]) == 30_000 * 1000 + 40 * 10 ** 6 + 10 ** 6
+    assert v.micro_bytes([500, 500]) == 30_000 * 1000 + 40 * 2 * 250_000 + 10 ** 6
+    p = _model("packed")
+    assert p.dense and p.micro_bytes([1000]) == 30_000 * 1000 + 10 ** 6          # a lone sample: no mask
+    assert p.micro_bytes([500, 500]) == 30_000 * 1000 + 9 * 10 ** 6 + 10 ** 6    # a pack pays T²
+    floored = replace(v, floor=5e7)
+    assert floored.micro_bytes([1]) == 50_000_000
+    assert replace(v, margin=0.1).with_margin(1000) == 1100
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(per_token=0.0), "per_token"), (dict(per_token=-1.0), "per_token"),
+    (dict(per_token=1.0, per_row_sq=float("nan")), "finite"), (dict(per_token=1.0, margin=20.0), "margin"),
+    (dict(per_token=1.0, forward=3), "forward"),
+])
+def test_model_refuses_bad_values(kw, match):
+    with pytest.raises(mp.PlanError, match=match):
+        mp.MemoryModel(**kw)
+
+
+def test_model_round_trips():
+    m = mp.MemoryModel.from_hf_config(LLAMA, dtype="bfloat16", attention="eager", gradient_checkpointing=True)
+    from microplan.memory import memory_from_dict
+    assert memory_from_dict(m.to_dict()) == m
+    assert m.forward is not None and m.forward.forward is None
+
+
+def test_from_hf_config_regimes_and_policies():
+    kw = dict(dtype="float32")
+    fa = mp.MemoryModel.from_hf_config(LLAMA, attention="fa2", **kw)
+    eager = mp.MemoryModel.from_hf_config(LLAMA, attention="eager", **kw)
+    sdpa = mp.MemoryModel.from_hf_config(LLAMA, attention="sdpa-packed", **kw)
+    ckpt = mp.MemoryModel.from_hf_config(LLAMA, attention="fa2", gradient_checkpointing=True, **kw)
+    bf16 = mp.MemoryModel.from_hf_config(LLAMA, attention="fa2", dtype="bfloat16")
+    assert fa.per_sample_sq == fa.per_row_sq == 0 and eager.per_sample_sq > 0 and eager.per_row_sq > 0
+    assert sdpa.per_sample_sq == 0 and sdpa.per_row_sq > 0
+    assert ckpt.per_token < fa.per_token and bf16.per_token < fa.per_token
+    assert fa.forward.per_token < fa.per_token / 2  # no saved activations
+    with pytest.raises(mp.PlanError, match="attention"):
+        mp.MemoryModel.from_hf_config(LLAMA, dtype="float32", attention="hedged")
+    with pytest.raises(mp.PlanError, match="dtype"):
+        mp.MemoryModel.from_hf_config(LLAMA, dtype="float13", attention="fa2")
+
+
+def test_fit_recovers_coefficients():
+    truth = mp.MemoryModel(per_token=1234.0, per_row_sq=3.0, per_micro=5e5)
+    comps = [(1024,), (512,), (256,), (512, 512), (128,) * 8, (32,) * 32, (600, 200, 100), (300,) * 3, (128,)]
+    got = fit_memory(comps, [truth.micro_bytes(c) for c in comps], min_tokens=128)
+    assert got.regime == "packed"
+    assert got.model.per_token == pytest.approx(1234.0, rel=1e-6)
+    assert got.model.per_row_sq == pytest.approx(3.0, rel=1e-5)
+    assert got.max_relative_error < 1e-6
+
+
+# -- config ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    (dict(memory=_model()), "max_bytes_per_micro"),
+    (dict(max_bytes_per_micro=10 ** 9), "memory model"),
+    (dict(memory="x", max_bytes_per_micro=10 ** 9), "MemoryModel"),
+    (dict(memory=_model(), max_bytes_per_micro=0), ">= 1"),
+    (dict(memory=_model(), max_bytes_per_micro=10 ** 9, micro_batch_size=4), "micro_batch_size"),
+])
+def test_config_refuses(kw, match):
+    with pytest.raises(mp.PlanError, match=match):
+        mp.PlanConfig(dp_size=2, **kw)
+
+
+def test_config_round_trip_and_old_json_unchanged():
+    cfg = mp.PlanConfig(dp_size=2, memory=_model("packed", 0.05), max_bytes_per_micro=10 ** 9)
+    assert mp.PlanConfig.from_dict(cfg.to_dict()) == cfg and cfg.dynamic
+    assert "memory" not in mp.PlanConfig(dp_size=2, max_tokens_per_micro=100).to_dict()
+
+
+# -- planning against bytes --------------------------------------------------------------------
+def _all_bytes(plan: mp.Plan) -> np.ndarray:
+    fp = footprint_of(plan.batch, plan.config)
+    return np.concatenate([step_micro_bytes(plan.batch, plan.config, s, fp, plan.config.memory).ravel()
+                           for s in plan.steps])
+
+
+@st.composite
+def memory_cases(draw):
+    n = draw(st.integers(1, 60))
+    rng = np.random.default_rng(draw(st.integers(0, 2 ** 31)))
+    lens = rng.integers(1, draw(st.sampled_from([50, 400, 2000])), n)
+    kind = draw(st.sampled_from(["linear", "varlen", "packed"]))
+    model = _model(kind, draw(st.sampled_from([0.0, 0.05])))
+    alone = max(model.with_margin(model.micro_bytes([int(L)])) for L in lens)
+    budget = int(alone * draw(st.sampled_from([1.0, 1.5, 4.0, 20.0])))
+    extra = draw(st.sampled_from([{}, {"share_prefixes": True}, {"layout": "padded"}, {"pad_to_multiple_of": 8},
+                                  {"context_parallel": mp.ContextParallel(size=2)}, {"placement": "local"},
+                                  {"max_tokens_per_micro": int(lens.max()) + 50}]))
+    kw = {}
+    if extra.get("share_prefixes"):
+        parent = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
+        kw = dict(prefix_parent=parent, shared_prefix_lens=np.minimum(lens, lens[np.maximum(parent, 0)]) // 2 * (parent >= 0))
+    dp = draw(st.integers(1, 4))
+    if extra.get("placement") == "local":
+        kw["rank_of"] = rng.integers(0, dp, n)
+    return mp.Batch(lens, **kw), mp.PlanConfig(dp_size=dp, memory=model, max_bytes_per_micro=budget, **extra)
+
+
+@given(memory_cases())
+def test_every_micro_fits_the_byte_budget(case):
+    batch, cfg = case
+    try:
+        plan = mp.plan(batch, cfg)
+    except mp.PlanError as exc:  # only the documented refusal: a dense mask at the longest sample's length
+        assert "no token cap keeps every micro-batch" in str(exc) and cfg.memory.dense
+        return
+    plan.validate()
+    got = _all_bytes(plan)
+    assert (cfg.memory.with_margin(got) <= cfg.max_bytes_per_micro).all()
+    assert plan.stats.max_micro_bytes == int(got.max())
+    if cfg.max_tokens_per_micro is not None:  # both caps hold
+        assert plan.config.max_tokens_per_micro <= cfg.max_tokens_per_micro
+    assert mp.plan(batch, plan.config).fingerprint() == plan.fingerprint()
+    assert mp.Plan.from_json(plan.to_json()).fingerprint() == plan.fingerprint()
+
+
+def test_a_sample_over_the_budget_is_refused_with_the_fix():
+    m = _model("linear")
+    with pytest.raises(mp.PlanError, match=r"sample 1 .*more than max_bytes_per_micro=40,000,000.*context parallel"):
+        mp.plan(mp.Batch([100, 2000]), mp.PlanConfig(dp_size=1, memory=m, max_bytes_per_micro=40_000_000))
+
+
+def test_validate_checks_the_byte_cap():
+    m = _model("varlen")
+    plan = mp.plan(mp.Batch(np.full(40, 300)), mp.PlanConfig(dp_size=2, memory=m, max_bytes_per_micro=60 * MiB))
+    plan.validate()
+    worst = plan.stats.max_micro_bytes
+    tight = mp.Plan(batch=plan.batch, config=replace(plan.config, max_bytes_per_micro=worst - 1), steps=plan.steps,
+                    dropped=plan.dropped, drop_reasons=plan.drop_reasons)
+    with pytest.raises(mp.PlanError, match="exceeds max_bytes_per_micro"):
+        tight.validate()
+
+
+def test_budget_is_used_not_wasted():
+    """The cap found is the largest whose plan fits: one token more would not (linear model: exact)."""
+    m = _model("linear")
+    B = 100 * MiB
+    plan = mp.plan(mp.Batch(np.full(400, 37)), mp.PlanConfig(dp_size=1, memory=m, max_bytes_per_micro=B))
+    assert plan.stats.max_micro_bytes <= B
+    cap = int((B - m.per_micro) // m.per_token)  # the most tokens whose bytes fit: 3,461
+    assert plan.config.max_tokens_per_micro == cap
+    assert plan.stats.micro_count == -(-400 * 37 // (cap // 37 * 37))  # the fewest micro-batches that cap allows
+
+
+def test_forward_plan_holds_more_tokens_per_micro():
+    m = mp.MemoryModel.from_hf_config(LLAMA, dtype="float32", attention="fa2")
+    batch = mp.Batch(np.random.default_rng(0).integers(50, 900, 300))
+    cfg = mp.PlanConfig(dp_size=2, memory=m, max_bytes_per_micro=120 * MiB)
+    train, fwd = mp.plan(batch, cfg), mp.plan_forward(batch, cfg)
+    fwd.validate()
+    assert fwd.config.memory == m.forward
+    assert fwd.config.max_tokens_per_micro >= 2 * train.config.max_tokens_per_micro
+    assert fwd.stats.micro_count * 2 <= train.stats.micro_count
