@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import microplan as mp
 from microplan.memory.check import step_micro_bytes
 from microplan.memory.fit import fit_memory
+from microplan.memory.plan import _lone_mode, pack_token_bound
 from microplan.footprint import footprint_of
 
 LLAMA = dict(model_type="llama", vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -135,8 +136,8 @@ def test_every_micro_fits_the_byte_budget(case):
     batch, cfg = case
     try:
         plan = mp.plan(batch, cfg)
-    except mp.PlanError as exc:  # only the documented refusal: a dense mask at the longest sample's length
-        assert "no token cap keeps every micro-batch" in str(exc) and cfg.memory.dense
+    except mp.PlanError as exc:  # only the documented refusal: a dense mask with padding, sharing or CP
+        assert "no token cap keeps every micro-batch" in str(exc) and cfg.memory.dense and not _lone_mode(cfg)
         return
     plan.validate()
     got = _all_bytes(plan)
@@ -144,7 +145,8 @@ def test_every_micro_fits_the_byte_budget(case):
     assert plan.stats.max_micro_bytes == int(got.max())
     if cfg.max_tokens_per_micro is not None:  # both caps hold
         assert plan.config.max_tokens_per_micro <= cfg.max_tokens_per_micro
-    assert mp.plan(batch, plan.config).fingerprint() == plan.fingerprint()
+    if not _lone_mode(cfg):  # the plan's cap is tried first when planning again
+        assert mp.plan(batch, plan.config).fingerprint() == plan.fingerprint()
     assert mp.Plan.from_json(plan.to_json()).fingerprint() == plan.fingerprint()
 
 
@@ -185,3 +187,25 @@ def test_forward_plan_holds_more_tokens_per_micro():
     assert fwd.config.memory == m.forward
     assert fwd.config.max_tokens_per_micro >= 2 * train.config.max_tokens_per_micro
     assert fwd.stats.micro_count * 2 <= train.stats.micro_count
+
+
+def test_dense_mask_long_samples_run_alone():
+    """The issue's case: under a dense packed-row mask, a 3,000-token sample fits alone while a
+    pack of shorter samples at 3,000 tokens does not; no token cap is safe, a byte plan is."""
+    m = mp.MemoryModel(per_token=35_661.0, per_row_sq=9.0, per_micro=4e5)
+    B = m.micro_bytes([3000])
+    assert m.micro_bytes([1500, 1500]) > B  # a token cap of 3,000 would be over budget
+    lens = np.array([3000] + [200, 350, 500, 120, 800, 640, 90, 1000, 410] * 6)
+    plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, memory=m, max_bytes_per_micro=B))
+    plan.validate()
+    assert plan.stats.max_micro_bytes <= B and plan.config.max_tokens_per_micro == 3000
+    pack_cap = pack_token_bound(plan.config)
+    for step in plan.steps:
+        for row in step.micros:
+            for micro in row:
+                if 0 in micro.indices.tolist():
+                    assert micro.num_samples == 1  # the long sample runs alone
+                elif micro.num_samples >= 2:
+                    assert micro.num_tokens <= pack_cap < 3000
+    with pytest.raises(mp.PlanError, match="no token cap keeps every micro-batch"):  # padding multiples: refused
+        mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, memory=m, max_bytes_per_micro=B, pad_to_multiple_of=8))

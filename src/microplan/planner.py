@@ -59,13 +59,14 @@ def build_plan(batch: Batch, config: PlanConfig, *, min_micro_count: int | None 
     """
     if isinstance(config, PlanConfig) and config.memory is not None:
         from .memory.plan import plan_with_memory
-        return plan_with_memory(batch, config, lambda b, c: _build_plan(b, c, min_micro_count))
+        return plan_with_memory(batch, config, lambda b, c, lone=None: _build_plan(b, c, min_micro_count, lone))
     return _build_plan(batch, config, min_micro_count)
 
 
-def _build_plan(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> Plan:
-    """:func:`build_plan` under the config's token cap."""
-    ctx = _context(batch, config, min_micro_count)
+def _build_plan(batch: Batch, config: PlanConfig, min_micro_count: int | None, lone_above: int | None = None) -> Plan:
+    """:func:`build_plan` under the config's token cap (``lone_above``: samples longer than it
+    run alone, ``memory/plan.py``)."""
+    ctx = _context(batch, config, min_micro_count, lone_above)
     split = split_steps(batch, config.steps)                     # steps: groups never split
     reasons = {int(i): split.reason for i in split.dropped}
     steps: list[Step] = []
@@ -102,7 +103,8 @@ def _drop_reason(s: int, cfg: PlanConfig) -> str:
                                                               else ""))
 
 
-def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> PlanContext:
+def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None,
+             lone_above: int | None = None) -> PlanContext:
     """Check the arguments and derive what every stage reads (``stages/context.py``)."""
     if not isinstance(batch, Batch):
         raise PlanError(f"plan() takes a microplan.Batch, got {type(batch).__name__}; wrap lengths as Batch(seq_lens).")
@@ -114,6 +116,9 @@ def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None) -> P
         raise PlanError(f"min_micro_count={min_micro_count} is applied by placement='local' only; plan with "
                         "PlanConfig(placement='local', ...), or PlanConfig(pipeline_stages=...) for a global plan.")
     ctx = plan_context(batch, config, _min_count(config, min_micro_count))
+    if lone_above is not None:  # a byte budget under a dense mask: long samples run alone (memory/plan.py)
+        from .memory.plan import lone_context
+        ctx = lone_context(ctx, lone_above)
     check_fits(ctx.fp, config, tokens=not config.share_prefixes)  # a tree's tokens are checked as atoms (tries)
     return ctx
 

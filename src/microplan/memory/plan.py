@@ -17,9 +17,18 @@ every micro-batch's bytes:
    (a dense-mask model: two short samples at the longest sample's length hold more than it alone),
    a PlanError names the micro-batch and the fix.
 
+Dense masks. Under a model with a packed-row term (``per_row_sq``: transformers' sdpa/eager over
+a packed row) a lone sample pays no mask, so a sample of L tokens may fit alone while a pack of
+two shorter ones at the same L does not: no token cap is safe there. For a varlen layout without
+padding multiples, sharing or CP, the cap searched is then the PACK cap C, and every sample
+longer than C runs in a micro-batch of its own (``lone_context``: the packers see it as C tokens,
+so nothing else fits beside it). Every cap is feasible (C = 1 runs every sample alone, and each
+fits alone by step 1); the plan's config carries max(C, the longest sample) as its token cap, so
+``Plan.validate`` checks both caps.
+
 The plan's config carries the cap chosen (``max_tokens_per_micro``) beside the memory model, so
 ``Plan.validate`` checks both and planning again from ``plan.config`` gives the same plan (its
-cap is tried first). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
+cap is tried first; not guaranteed when long samples ran alone, whose cap is the longest sample). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
 """
 
 from __future__ import annotations
@@ -31,15 +40,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ..errors import PlanError
-from ..footprint import check_fits, footprint_of
+from ..footprint import Footprint, check_fits, footprint_of
 from .check import FIXES, plan_micro_bytes, sample_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..batch import Batch
     from ..config import PlanConfig
     from ..plan import Plan
+    from ..stages.context import PlanContext
 
-__all__ = ["plan_with_memory", "byte_token_bound"]
+__all__ = ["plan_with_memory", "byte_token_bound", "lone_context", "pack_token_bound"]
 
 
 def _widest_cp(cfg: PlanConfig) -> int:
@@ -56,6 +66,38 @@ def byte_token_bound(cfg: PlanConfig) -> int:
     assert m is not None and b is not None
     room = b / (1.0 + m.margin) - m.per_micro
     return max(1, min(2 ** 50, int(room // m.per_token)))
+
+
+def pack_token_bound(cfg: PlanConfig) -> int:
+    """The most tokens a packed row of two or more samples may hold under a dense model:
+    ``per_micro + per_token·T + per_row_sq·T²``, margin included, within the budget (at least 1)."""
+    m, b = cfg.memory, cfg.max_bytes_per_micro
+    assert m is not None and b is not None
+    room = b / (1.0 + m.margin) - m.per_micro
+    if room <= 0:
+        return 1
+    a, q = m.per_token, m.per_row_sq
+    t = (-a + (a * a + 4.0 * q * room) ** 0.5) / (2.0 * q) if q > 0 else room / a
+    return max(1, min(2 ** 50, int(t)))
+
+
+def _lone_mode(cfg: PlanConfig) -> bool:
+    """Dense model, plain varlen rows, no sharing, no CP: long samples may run alone."""
+    return (cfg.memory is not None and cfg.memory.dense and cfg.layout == "varlen" and cfg.pad_to_multiple_of == 1
+            and cfg.pad_row_to_multiple_of == 1 and not cfg.share_prefixes and cfg.context_parallel is None)
+
+
+def lone_context(ctx: PlanContext, cap: int) -> PlanContext:
+    """``ctx`` whose packers see every sample longer than ``cap`` as ``cap`` tokens (so it runs
+    alone in a micro-batch: nothing else fits beside it). Micro-batches keep the real footprint
+    (``ctx.mfp``) and costs; ``Plan.validate`` re-derives both from the batch."""
+    fp = ctx.fp
+    clipped = Footprint(fp.padding, fp.seq_lens, prompt_lens=fp.prompt_lens, vision_tokens=fp.vision_tokens,
+                        vision_costs=fp.vision_costs)
+    st = np.minimum(fp.sample_tokens, cap)
+    st.setflags(write=False)
+    clipped.sample_tokens = st
+    return ctx._replace(fp=clipped)
 
 
 def _check_alone(batch: Batch, cfg: PlanConfig) -> None:
@@ -90,19 +132,26 @@ def _least_cap(batch: Batch, cfg: PlanConfig, hi: int) -> int:
     return top
 
 
-def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[[Batch, PlanConfig], Plan]) -> Plan:
+def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[..., Plan]) -> Plan:
     """Plan ``batch`` so every micro-batch's predicted bytes fit ``config.max_bytes_per_micro``
-    (see the module note); ``build(batch, cfg)`` plans under a token cap."""
+    (see the module note); ``build(batch, cfg, lone_above)`` plans under a token cap."""
     _check_alone(batch, config)
-    hi = byte_token_bound(config)
+    lone = _lone_mode(config)
+    hi = pack_token_bound(config) if lone else byte_token_bound(config)
+    fp = footprint_of(batch, config)
+    longest = int(fp.sample_tokens.max())
     if config.max_tokens_per_micro is not None:
         hi = min(hi, config.max_tokens_per_micro)
-    lo = _least_cap(batch, config, hi)
-    fp = footprint_of(batch, config)
+        if lone:
+            check_fits(fp, config)  # every sample within the user's cap
+    lo = 1 if lone else _least_cap(batch, config, hi)
 
     def attempt(cap: int) -> tuple[Plan, tuple[int, int, int, int] | None]:
         cfg = replace(config, max_tokens_per_micro=cap)
-        p = build(batch, cfg)
+        p = build(batch, cfg, cap) if lone else build(batch, cfg)
+        if lone and longest > cap:  # the lone samples' tokens: the plan's cap is their length
+            cfg = replace(config, max_tokens_per_micro=longest)
+            p = type(p)(batch=batch, config=cfg, steps=p.steps, dropped=p.dropped, drop_reasons=p.drop_reasons)
         for s, grid in enumerate(plan_micro_bytes(batch, cfg, p.steps, fp)):
             over = np.argwhere(config.memory.with_margin(grid) > config.max_bytes_per_micro)  # type: ignore[union-attr]
             if over.size:
@@ -132,4 +181,5 @@ def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[[Batch, P
                     f"at the least cap that holds every sample ({lo:,} tokens), step {s}, rank {r}, micro {m} is "
                     f"predicted to add {nbytes:,} bytes (margin {config.memory.margin:.1%} on top). The memory "
                     "model charges packed rows more than lone samples (a dense mask); use a per-sample attention "
-                    f"kernel (flash-attn varlen, microplan.torch.register_attention()), or {FIXES}.")  # type: ignore[union-attr]
+                    f"kernel (flash-attn varlen, microplan.torch.register_attention()), plain varlen rows without "
+                    f"padding multiples, sharing or CP (then long samples run alone), or {FIXES}.")  # type: ignore[union-attr]
