@@ -49,13 +49,17 @@ def bin_bytes(fp: Footprint, model: MemoryModel, samples: np.ndarray, bin_of: np
     """Predicted peak bytes (no margin) on each GPU of every bin: samples ``samples[j]`` in bin
     ``bin_of[j]``, bin b run over ``cp_size[b]`` GPUs; ``forest``: bins hold prefix tries. An
     empty bin (a placeholder: one dummy token) adds ``per_micro + per_token``."""
-    tokens, raw = bin_footprint(bytes_footprint(fp, model), model.as_cost(), samples, bin_of, num_bins, forest=forest)
+    bfp = bytes_footprint(fp, model)
     empty = np.bincount(bin_of, minlength=num_bins) == 0
-    raw = np.where(empty, model.per_micro + model.per_token, raw)
     c = np.asarray(cp_size, dtype=np.float64)
-    per_gpu = np.where(c > 1, (raw - model.per_micro) / np.maximum(c, 1.0) + model.per_micro
-                       + model.kv_per_token * tokens, raw)
-    return np.ceil(np.maximum(per_gpu, model.floor)).astype(np.int64)
+    out = np.full(num_bins, model.floor, dtype=np.float64)
+    for phase in model.phases():  # the peak is the largest phase's
+        tokens, raw = bin_footprint(bfp, phase.as_cost(), samples, bin_of, num_bins, forest=forest)
+        raw = np.where(empty, phase.per_micro + phase.per_token, raw)
+        per_gpu = np.where(c > 1, (raw - phase.per_micro) / np.maximum(c, 1.0) + phase.per_micro
+                           + model.kv_per_token * tokens, raw)
+        out = np.maximum(out, per_gpu)
+    return np.ceil(out).astype(np.int64)
 
 
 def sample_bytes(fp: Footprint, model: MemoryModel, cp_size: int = 1) -> np.ndarray:

@@ -13,7 +13,13 @@ cost calibration's, in bytes:
 2. Rows below ``min_tokens`` are not fitted: the peak is a maximum over the phases of the pass,
    and for a tiny micro-batch the weights' gradient phase dominates, not the activations. Their
    largest measured peak becomes ``floor`` (what any micro-batch adds at the least).
-3. ``regime``: ``"packed"`` (a packed-row T² term), ``"varlen"`` (Σ L²), ``"linear"`` (neither).
+3. Phases. The peak is the largest over the phases of a pass (with full recomputation: the
+   logits phase, linear in T, and a layer's recompute with its attention scores). When the best
+   single fit is off by more than 2 %, a two-phase model ``max(A, B)`` is fitted (A: tokens and a
+   constant; B: all four terms) by the max-affine fixed point (Magnani & Boyd 2009): rows start
+   split by their attention share, each phase is refitted on the rows where it is the larger,
+   until the split holds; it replaces the single fit when its worst error is under 0.7× that.
+4. ``regime``: ``"packed"`` (a packed-row T² term), ``"varlen"`` (Σ L²), ``"linear"`` (neither).
 
 Guarantees: coefficients >= 0, ``per_token`` > 0 (a fit in which bytes do not grow with tokens
 is a PlanError naming the rows to measure instead).
@@ -65,6 +71,42 @@ def _solve(comps: list[list[int]], y: np.ndarray, dense: bool) -> np.ndarray:
     return x
 
 
+def _predict(x: np.ndarray, comps: list[list[int]], dense: bool) -> np.ndarray:
+    return np.array([x @ micro_features(c, dense=dense) for c in comps], dtype=np.float64)
+
+
+def _two_phases(comps: list[list[int]], y: np.ndarray, dense: bool) -> tuple[float, np.ndarray, np.ndarray] | None:
+    """(worst relative error, A, B) of the max-affine fit max(A, B), A linear (see the module note):
+    every split of the rows by attention share as a start, then the fixed point from each."""
+    X = np.array([micro_features(c, dense=dense) for c in comps], dtype=np.float64)
+    share = (X[:, 1] + X[:, 2]) / X[:, 0]
+    rank = np.argsort(np.argsort(share, kind="stable"), kind="stable")
+    best = None
+    for cut in range(2, len(comps) - 2):
+        in_b = rank >= cut
+        for _ in range(30):
+            if in_b.sum() < 3 or (~in_b).sum() < 2:
+                break
+            a = np.zeros(4)
+            a[[0, 3]] = _solve_cols([comps[i] for i in np.flatnonzero(~in_b)], y[~in_b], dense, [0, 3])
+            b = _solve([comps[i] for i in np.flatnonzero(in_b)], y[in_b], dense)
+            pa, pb = X @ a, X @ b
+            err = float(np.max(np.abs(np.maximum(pa, pb) / y - 1.0)))
+            if a[0] > 0 and (best is None or err < best[0]):
+                best = (err, a, b)
+            nxt = pb > pa
+            if np.array_equal(nxt, in_b):
+                break
+            in_b = nxt
+    return best
+
+
+def _solve_cols(comps: list[list[int]], y: np.ndarray, dense: bool, cols: list[int]) -> np.ndarray:
+    X = np.array([micro_features(c, dense=dense) for c in comps], dtype=np.float64)[:, cols]
+    scale = np.where(X.max(axis=0) > 0, X.max(axis=0), 1.0)
+    return nnls((X / scale) / y[:, None], np.ones_like(y)) / scale
+
+
 def fit_memory(comps: Sequence[Sequence[int]], measured: Sequence[float], *, min_tokens: int = 0,
                packed: bool | None = None, note: str = "") -> MemoryFit:
     """Fit a :class:`MemoryModel` to micro-batches (sample lengths) and their measured peak bytes."""
@@ -100,6 +142,15 @@ def fit_memory(comps: Sequence[Sequence[int]], measured: Sequence[float], *, min
     floor = float(y_all[small].max()) if small.any() else 0.0
     model = MemoryModel(per_token=x[0], per_sample_sq=x[1], per_row_sq=x[2] if dense else 0.0, per_micro=x[3],
                         floor=floor, note=note)
+    if err > 0.02:  # a second phase (module note, 3)
+        two = [(d, _two_phases(fit_rows, y, d)) for d in options]
+        two = [(d, t) for d, t in two if t is not None and t[2][:3].any()]
+        if two:
+            d, (err2, a, b) = min(two, key=lambda dt: dt[1][0])
+            if err2 < 0.7 * err:
+                model = MemoryModel(per_token=a[0], per_micro=a[3], floor=floor, note=note,
+                                    phase2=MemoryModel(per_token=b[0], per_sample_sq=b[1],
+                                                       per_row_sq=b[2] if d else 0.0, per_micro=b[3]))
     rel = relative_errors(model, fit_rows, y)
     regime = "packed" if model.per_row_sq > 0 else ("varlen" if model.per_sample_sq > 0 else "linear")
     return MemoryFit(model=model, regime=regime, max_relative_error=float(np.max(np.abs(rel))),

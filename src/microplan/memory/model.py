@@ -8,7 +8,10 @@ lengths L_1..L_n packed into a row of T = Σ L tokens::
     dense mask:        bytes = per_token·T + per_row_sq·T²      + per_micro   (two or more samples)
                              = per_token·L + per_sample_sq·L²   + per_micro   (a lone sample: no mask)
 
-and never below ``floor``. ``per_token``: saved activations, logits and their gradients, every
+and never below ``floor``. A pass has phases, and its peak is the largest of theirs:
+``phase2`` (optional) is a second set of the same four terms — with full recomputation the
+logits phase (linear) and a layer's recompute (its attention scores) peak at different times —
+and the prediction is the larger of the two. ``per_token``: saved activations, logits and their gradients, every
 buffer of one token's width. ``per_sample_sq``: attention scores materialised per sample (eager
 attention, a math kernel). ``per_row_sq``: a dense ``[T, T]`` mask over the packed row and the
 scores of a dense kernel (transformers' sdpa/eager fed restarting position ids): under it a
@@ -63,7 +66,8 @@ class MemoryModel:
     """Predicted peak bytes a GPU adds while it runs one micro-batch (binding; see the module note).
 
     Attributes:
-        per_token: bytes per token of the packed row (> 0).
+        per_token: bytes per token of the packed row (> 0 unless a quadratic term is; the planner
+            needs it > 0 in the first phase).
         per_sample_sq: bytes per squared sample length (scores materialised per sample; a lone
             sample under a dense-mask kernel).
         per_row_sq: bytes per squared packed-row length T² of a micro-batch of two or more
@@ -76,6 +80,7 @@ class MemoryModel:
         margin: relative safety margin for prediction error (0.1 = 10 %): the planner keeps
             ``⌈bytes·(1 + margin)⌉`` under ``max_bytes_per_micro``.
         forward: the model of the forward-only (no-grad) pass, or None (use this one).
+        phase2: a second phase of the pass (its four terms; the prediction is the larger), or None.
         note: where the coefficients come from (``from_hf_config``, ``profile_memory``, ...).
     """
 
@@ -89,6 +94,7 @@ class MemoryModel:
     margin: float = 0.0
     forward: MemoryModel | None = None
     note: str = ""
+    phase2: MemoryModel | None = None
 
     def __post_init__(self) -> None:
         for name in _COEFS + _EXTRA:
@@ -96,7 +102,7 @@ class MemoryModel:
             if v > 1e30:
                 raise PlanError(f"MemoryModel.{name}={v:g} is beyond any GPU (bytes); pass the coefficient in bytes.")
             object.__setattr__(self, name, v)
-        if self.per_token <= 0.0:
+        if self.per_token <= 0.0 and not (self.per_sample_sq or self.per_row_sq):
             raise PlanError(f"MemoryModel.per_token={self.per_token} must be > 0: every token of a micro-batch holds "
                             "activations; pass the bytes per token (MemoryModel.from_hf_config derives it).")
         if self.margin >= 10.0:
@@ -108,14 +114,27 @@ class MemoryModel:
             raise PlanError(f"MemoryModel.forward must be a MemoryModel or None, got {type(fwd).__name__}.")
         if self.forward is not None and self.forward.forward is not None:
             raise PlanError("MemoryModel.forward is the forward-only pass's model: it has no forward model of its own.")
+        ph = self.phase2
+        if isinstance(ph, Mapping):
+            object.__setattr__(self, "phase2", memory_from_dict(dict(ph)))
+        elif ph is not None and not isinstance(ph, MemoryModel):
+            raise PlanError(f"MemoryModel.phase2 must be a MemoryModel or None, got {type(ph).__name__}.")
+        if self.per_token <= 0.0 and self.phase2 is not None:
+            raise PlanError("MemoryModel.per_token must be > 0 in the first phase (phase2 may have none).")
+        if self.phase2 is not None and (self.phase2.phase2 is not None or self.phase2.forward is not None):
+            raise PlanError("MemoryModel.phase2 is one more set of terms: it has no phase2 or forward of its own.")
         if not isinstance(self.note, str):
             raise PlanError(f"MemoryModel.note must be a str, got {type(self.note).__name__}.")
 
     # -- prediction -----------------------------------------------------------------------------
     @property
     def dense(self) -> bool:
-        """True when a packed row of two or more samples pays ``per_row_sq·T²`` (a dense mask)."""
-        return self.per_row_sq > 0.0
+        """True when a packed row of two or more samples pays ``per_row_sq·T²`` (a dense mask), in any phase."""
+        return self.per_row_sq > 0.0 or (self.phase2 is not None and self.phase2.per_row_sq > 0.0)
+
+    def phases(self) -> tuple[MemoryModel, ...]:
+        """The phases whose largest prediction is the peak: this model's terms, then ``phase2``'s."""
+        return (self,) if self.phase2 is None else (self, self.phase2)
 
     def coefficients(self) -> np.ndarray:
         """Over ``microplan.cost.models.FEATURES``: ``[per_token, per_sample_sq, per_row_sq, per_micro]``."""
@@ -123,7 +142,7 @@ class MemoryModel:
 
     def micro_bytes(self, seq_lens: Sequence[int] | np.ndarray) -> int:
         """Predicted peak bytes one packed micro-batch of these sample lengths adds (binding; no margin)."""
-        raw = float(self.coefficients() @ micro_features(seq_lens, dense=self.dense))
+        raw = max(float(p.coefficients() @ micro_features(seq_lens, dense=p.per_row_sq > 0)) for p in self.phases())
         return int(math.ceil(max(self.floor, raw)))
 
     def with_margin(self, nbytes: Any) -> Any:
@@ -133,7 +152,8 @@ class MemoryModel:
 
     def as_cost(self) -> FlopsCost:
         """The same terms as a :class:`FlopsCost` in bytes: the footprint stage prices any layout
-        (padded rows, prefix trees, row pads) with it (``memory/check.py``); no floor, no CP."""
+        (padded rows, prefix trees, row pads) with it (``memory/check.py``); this phase's terms only,
+        no floor, no CP."""
         return FlopsCost(linear=self.per_token, quadratic=self.per_sample_sq, per_micro=self.per_micro,
                          packed_quadratic=self.per_row_sq)
 
@@ -164,6 +184,8 @@ class MemoryModel:
             parts.append(f"floor {self.floor / 2 ** 20:,.1f} MiB")
         if self.kv_per_token:
             parts.append(f"CP K/V {self.kv_per_token:,.0f} B/token")
+        if self.phase2 is not None:
+            parts.append("or " + self.phase2.describe().removeprefix("MemoryModel: ").split("; margin")[0])
         src = f" ({self.note})" if self.note else ""
         return f"MemoryModel: {', '.join(parts)}; margin {self.margin:.1%}{src}"
 
@@ -174,6 +196,8 @@ class MemoryModel:
             out["forward"] = self.forward.to_dict()
         if self.note:
             out["note"] = self.note
+        if self.phase2 is not None:
+            out["phase2"] = self.phase2.to_dict()
         return out
 
     @classmethod
@@ -213,6 +237,7 @@ def memory_from_dict(d: Mapping[str, Any]) -> MemoryModel:
     if d.get("type") != "MemoryModel":
         raise PlanError(f"unknown memory model type {d.get('type')!r}; expected 'MemoryModel'.")
     fields = {k: v for k, v in d.items() if k != "type"}
-    if "forward" in fields and fields["forward"] is not None:
-        fields["forward"] = memory_from_dict(fields["forward"])
+    for key in ("forward", "phase2"):
+        if fields.get(key) is not None:
+            fields[key] = memory_from_dict(fields[key])
     return MemoryModel(**fields)

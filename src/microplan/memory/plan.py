@@ -64,8 +64,8 @@ def byte_token_bound(cfg: PlanConfig) -> int:
     included, exceeds the budget (every other term only adds bytes); at least 1."""
     m, b = cfg.memory, cfg.max_bytes_per_micro
     assert m is not None and b is not None
-    room = b / (1.0 + m.margin) - m.per_micro
-    return max(1, min(2 ** 50, int(room // m.per_token)))
+    rooms = [(b / (1.0 + m.margin) - p.per_micro) / p.per_token for p in m.phases() if p.per_token > 0]
+    return max(1, min(2 ** 50, int(min(rooms))))
 
 
 def pack_token_bound(cfg: PlanConfig) -> int:
@@ -73,12 +73,14 @@ def pack_token_bound(cfg: PlanConfig) -> int:
     ``per_micro + per_token·T + per_row_sq·T²``, margin included, within the budget (at least 1)."""
     m, b = cfg.memory, cfg.max_bytes_per_micro
     assert m is not None and b is not None
-    room = b / (1.0 + m.margin) - m.per_micro
-    if room <= 0:
-        return 1
-    a, q = m.per_token, m.per_row_sq
-    t = (-a + (a * a + 4.0 * q * room) ** 0.5) / (2.0 * q) if q > 0 else room / a
-    return max(1, min(2 ** 50, int(t)))
+    best = float(2 ** 50)
+    for p in m.phases():  # each phase's bytes must fit
+        room = b / (1.0 + m.margin) - p.per_micro
+        if room <= 0:
+            return 1
+        a, q = p.per_token, p.per_row_sq
+        best = min(best, (-a + (a * a + 4.0 * q * room) ** 0.5) / (2.0 * q) if q > 0 else room / a)
+    return max(1, int(best))
 
 
 def _lone_mode(cfg: PlanConfig) -> bool:

@@ -1,0 +1,93 @@
+"""Measured memory on CPU: peak_bytes, profile_memory's held-out error, and byte plans run micro-batch by
+micro-batch under their budget (small random-weight HF models built from a config; no downloads)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+import microplan as mp  # noqa: E402
+from microplan.torch import pack_micro, peak_bytes, profile_memory  # noqa: E402
+
+CAP = 512
+VOCAB = 512
+
+
+def _model(arch: str, attn: str, checkpointing: bool = False) -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                          attn_implementation=attn)
+        model = LlamaForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=4096, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn)
+        model = GPT2LMHeadModel(cfg)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.train()
+
+
+def _runner(model: torch.nn.Module):
+    def run(packed):
+        logits = model(**packed.model_inputs(), use_cache=False).logits
+        logits.float().log_softmax(-1).mean().backward()
+    return run
+
+
+def test_peak_bytes_counts_storages_above_the_start():
+    keep = torch.zeros(1000)  # alive before: never counted
+
+    def fn():
+        a = torch.empty(250, dtype=torch.float32)   # 1,000 bytes
+        b = torch.empty(500, dtype=torch.float64)   # 4,000 bytes, both alive: peak 5,000
+        del a, b
+        c = torch.empty(100, dtype=torch.float32)   # 400 bytes after they died
+        keep.add_(1.0)                              # in place on an old storage: nothing new
+        return c.view(10, 10)                       # a view: no new storage
+    assert peak_bytes(fn) == 5000
+    assert peak_bytes(lambda: None) == 0
+
+
+@pytest.mark.parametrize("arch, attn, ckpt", [("llama", "sdpa", False), ("gpt2", "eager", True)])
+def test_profile_memory_predicts_heldout_peaks(arch, attn, ckpt):
+    model = _model(arch, attn, ckpt)
+    res = profile_memory(_runner(model), max_tokens_per_micro=CAP, vocab_size=VOCAB)
+    assert res.heldout_median_error <= 0.05 and res.heldout_max_error <= 0.10, res.describe()
+    assert res.model.margin >= 0 and "margin" in res.model.note
+    assert res.regime in ("packed", "varlen", "linear")
+
+
+def test_byte_plan_runs_under_its_budget():
+    """No token cap: every micro-batch's measured peak <= B, the fullest >= 0.8 B; the forward pass
+    holds >= 2x the tokens per micro-batch at the same B."""
+    model = _model("llama", "sdpa")
+    run = _runner(model)
+
+    def fwd(packed):
+        with torch.no_grad():
+            model(**packed.model_inputs(), use_cache=False).logits.float().log_softmax(-1)
+    res = profile_memory(run, max_tokens_per_micro=CAP, vocab_size=VOCAB, run_forward=fwd)
+    B = res.model.micro_bytes([CAP // 2, CAP // 2])  # the bytes of a cap-full packed row
+    rng = np.random.default_rng(0)
+    lens = rng.integers(16, 400, 40)
+    batch = mp.Batch(lens)
+    cfg = mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B)
+    plan = mp.plan(batch, cfg)
+    plan.validate()
+    g = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, VOCAB, (int(L),), generator=g) for L in lens]
+    peaks = [peak_bytes(lambda: run(pack_micro(m, tokens))) for step in plan.steps for row in step.micros
+             for m in row if not m.is_placeholder]
+    assert max(peaks) <= B, (max(peaks), B)
+    assert max(peaks) >= 0.8 * B, (max(peaks), B)
+    fplan = mp.plan_forward(batch, cfg)
+    assert fplan.config.max_tokens_per_micro >= 2 * plan.config.max_tokens_per_micro
+    fpeaks = [peak_bytes(lambda: fwd(pack_micro(m, tokens))) for step in fplan.steps for row in step.micros
+              for m in row if not m.is_placeholder]
+    assert max(fpeaks) <= B
