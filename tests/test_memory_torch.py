@@ -10,7 +10,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 import microplan as mp  # noqa: E402
-from microplan.torch import pack_micro, peak_bytes, profile_memory  # noqa: E402
+from microplan.torch import pack_micro, peak_bytes, profile_memory, token_logprobs, weighted_loss  # noqa: E402
 
 CAP = 256
 VOCAB = 512
@@ -43,9 +43,9 @@ def _model(arch: str, attn: str, checkpointing: bool = False) -> torch.nn.Module
 
 
 def _runner(model: torch.nn.Module):
-    def run(packed):
+    def run(packed):  # the loss recipe of docs/integration.md
         logits = model(**packed.model_inputs(), use_cache=False).logits
-        logits.float().log_softmax(-1).mean().backward()
+        weighted_loss(-token_logprobs(logits.float(), packed), packed).backward()
     return run
 
 
@@ -80,7 +80,7 @@ def test_byte_plan_runs_under_its_budget():
 
     def fwd(packed):
         with torch.no_grad():
-            model(**packed.model_inputs(), use_cache=False).logits.float().log_softmax(-1)
+            token_logprobs(model(**packed.model_inputs(), use_cache=False).logits.float(), packed)
     res = profile_memory(run, max_tokens_per_micro=CAP, vocab_size=VOCAB, run_forward=fwd)
     B = res.model.micro_bytes([CAP // 2, CAP // 2])  # the bytes of a cap-full packed row
     rng = np.random.default_rng(0)

@@ -28,6 +28,7 @@ is a PlanError naming the rows to measure instead).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import combinations
 from dataclasses import dataclass
 
 import numpy as np
@@ -89,9 +90,10 @@ def _two_phases(comps: list[list[int]], y: np.ndarray, dense: bool) -> tuple[flo
                 break
             a = np.zeros(4)
             a[[0, 3]] = _solve_cols([comps[i] for i in np.flatnonzero(~in_b)], y[~in_b], dense, [0, 3])
-            b = _solve([comps[i] for i in np.flatnonzero(in_b)], y[in_b], dense)
-            pa, pb = X @ a, X @ b
-            err = float(np.max(np.abs(np.maximum(pa, pb) / y - 1.0)))
+            pa = X @ a
+            err, b = min(((float(np.max(np.abs(np.maximum(pa, X @ bb) / y - 1.0))), bb)
+                          for bb in _supports(X[in_b], y[in_b])), key=lambda eb: eb[0])
+            pb = X @ b
             if a[0] > 0 and (best is None or err < best[0]):
                 best = (err, a, b)
             nxt = pb > pa
@@ -99,6 +101,23 @@ def _two_phases(comps: list[list[int]], y: np.ndarray, dense: bool) -> tuple[flo
                 break
             in_b = nxt
     return best
+
+
+def _supports(X: np.ndarray, y: np.ndarray) -> list[np.ndarray]:
+    """The nonnegative relative least-squares fit of every support of the columns: a phase fitted
+    on few distinct totals has many exact fits, and the one that suits the OTHER rows is chosen
+    by the caller (the worst error of the max)."""
+    out = []
+    scale = np.where(X.max(axis=0) > 0, X.max(axis=0), 1.0)
+    A = (X / scale) / y[:, None]
+    for size in range(1, X.shape[1] + 1):
+        for cols in combinations(range(X.shape[1]), size):
+            xs, *_ = np.linalg.lstsq(A[:, list(cols)], np.ones_like(y), rcond=None)
+            if np.all(xs >= 0):
+                x = np.zeros(X.shape[1])
+                x[list(cols)] = xs / scale[list(cols)]
+                out.append(x)
+    return out or [np.zeros(X.shape[1])]
 
 
 def _solve_cols(comps: list[list[int]], y: np.ndarray, dense: bool, cols: list[int]) -> np.ndarray:
@@ -152,7 +171,8 @@ def fit_memory(comps: Sequence[Sequence[int]], measured: Sequence[float], *, min
                                     phase2=MemoryModel(per_token=b[0], per_sample_sq=b[1],
                                                        per_row_sq=b[2] if d else 0.0, per_micro=b[3]))
     rel = relative_errors(model, fit_rows, y)
-    regime = "packed" if model.per_row_sq > 0 else ("varlen" if model.per_sample_sq > 0 else "linear")
+    ph = model.phases()
+    regime = "packed" if model.dense else ("varlen" if any(p.per_sample_sq > 0 for p in ph) else "linear")
     return MemoryFit(model=model, regime=regime, max_relative_error=float(np.max(np.abs(rel))),
                      under=float(max(0.0, -float(np.min(rel / (1.0 + rel))))))
 
