@@ -291,6 +291,7 @@ def format_summary(plan: Plan) -> str:
         _row("micro-batches per rank", f"{st.micro_count} over all steps (K per step: {per_step}) vs "
              f"K_lb {st.micro_count_lower_bound}" if st.steps else "none"),
         _row("max tokens per GPU", mx),
+        *_memory_lines(plan),
         *_time_lines(plan, unit),
         _row("rank imbalance", f"{st.rank_imbalance:.3f} (max / mean of the ranks' total predicted cost; 1 = even)"),
     ]
@@ -320,6 +321,19 @@ def format_summary(plan: Plan) -> str:
     lines += [textwrap.fill(d, 110, initial_indent=f"    {t:<{width}}  ", subsequent_indent=" " * (width + 6))
               for t, d in LEGEND]
     return "\n".join(lines)
+
+
+def _memory_lines(plan: Plan) -> list[str]:
+    """With a memory model: the largest predicted peak against the byte budget, the margin, the source."""
+    cfg, st = plan.config, plan.stats
+    if cfg.memory is None or st.max_micro_bytes is None:
+        return []
+    m, b = cfg.memory, cfg.max_bytes_per_micro
+    gib = 2 ** 30
+    return [_row("max bytes per GPU", f"{st.max_micro_bytes / gib:,.3f} GiB predicted peak (+{m.margin:.1%} margin = "
+                 f"{m.with_margin(st.max_micro_bytes) / gib:,.3f} GiB) of the {b / gib:,.3f} GiB max_bytes_per_micro "
+                 f"({100 * m.with_margin(st.max_micro_bytes) / b:.1f} %) under the token cap {cfg.max_tokens_per_micro:,}; "
+                 f"{m.describe()}")]
 
 
 def short_repr(plan: Plan) -> str:
