@@ -10,7 +10,8 @@ here, not read from the Micro) and the vision cap / micro_batch_size, CP
 groups (consistent members, power-of-two sizes, no GPU over the cap), coverage (every sample in
 exactly one micro-batch or in ``dropped`` with a reason), step atomicity of rollouts and prompt
 groups, and the loss scales (recomputed from the loss contract; all 0 in a forward plan), and
-K >= pipeline_stages. Cost: O(total samples + dp·K).
+K >= pipeline_stages; with a memory model, every micro-batch's predicted bytes (margin included)
+within ``max_bytes_per_micro`` (``memory/check.py``). Cost: O(total samples + dp·K).
 
 Vectorised: a step's micro-batches are read once into flat arrays (their samples concatenated,
 each tagged with its micro-batch), every per-micro-batch check runs as one numpy expression, and
