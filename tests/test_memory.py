@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import microplan as mp
-from microplan.memory.check import step_micro_bytes
+from microplan.memory.check import sample_bytes, step_micro_bytes
 from microplan.memory.fit import fit_memory
 from microplan.memory.plan import _lone_mode, pack_token_bound
 from microplan.footprint import footprint_of
@@ -116,19 +116,32 @@ def memory_cases(draw):
     lens = rng.integers(1, draw(st.sampled_from([50, 400, 2000])), n)
     kind = draw(st.sampled_from(["linear", "varlen", "packed"]))
     model = _model(kind, draw(st.sampled_from([0.0, 0.05])))
-    alone = max(model.with_margin(model.micro_bytes([int(L)])) for L in lens)
-    budget = int(alone * draw(st.sampled_from([1.0, 1.5, 4.0, 20.0])))
+    mult = draw(st.sampled_from([1.0, 1.5, 4.0, 20.0]))
     extra = draw(st.sampled_from([{}, {"share_prefixes": True}, {"layout": "padded"}, {"pad_to_multiple_of": 8},
                                   {"context_parallel": mp.ContextParallel(size=2)}, {"placement": "local"},
-                                  {"max_tokens_per_micro": int(lens.max()) + 50}]))
+                                  {"max_tokens_per_micro": int(lens.max()) + 50}, {"layout": "padded-2d"},
+                                  {"context_parallel": mp.ContextParallel(max_size=2)}, {"vision": True}]))
     kw = {}
+    if extra.pop("vision", False):  # vision patches priced per patch, under a vision cap
+        kw = dict(vision_tokens=rng.integers(0, 30, n))
+        extra = {"max_vision_tokens_per_micro": 60}
+        model = replace(model, per_vision_token=5000.0)
+    if extra.get("layout") == "padded-2d":
+        kw["prompt_lens"] = np.minimum(lens, rng.integers(1, 9, n))
     if extra.get("share_prefixes"):
         parent = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
-        kw = dict(prefix_parent=parent, shared_prefix_lens=np.minimum(lens, lens[np.maximum(parent, 0)]) // 2 * (parent >= 0))
+        kw |= dict(prefix_parent=parent, shared_prefix_lens=np.minimum(lens, lens[np.maximum(parent, 0)]) // 2 * (parent >= 0))
     dp = draw(st.integers(1, 4))
+    if "context_parallel" in extra and extra["context_parallel"].dynamic:
+        dp = 2 * draw(st.integers(1, 2))
     if extra.get("placement") == "local":
         kw["rank_of"] = rng.integers(0, dp, n)
-    return mp.Batch(lens, **kw), mp.PlanConfig(dp_size=dp, memory=model, max_bytes_per_micro=budget, **extra)
+    batch = mp.Batch(lens, **kw)
+    cfg = mp.PlanConfig(dp_size=dp, memory=model, max_bytes_per_micro=2 ** 60, **extra)
+    cp = cfg.context_parallel
+    width = 1 if cp is None else (cp.max_size if cp.dynamic else cp.size)
+    alone = int(model.with_margin(sample_bytes(footprint_of(batch, cfg), model, width)).max())  # the least budget
+    return batch, replace(cfg, max_bytes_per_micro=int(alone * mult))
 
 
 @given(memory_cases())
