@@ -37,7 +37,7 @@ __all__ = ["STATE", "current_cost", "set_model", "wrap_engine", "unwrap_engines"
 
 #: with no cost, no records and no model config: tokens plus 256 tokens' worth per micro-batch.
 FALLBACK = TokenCost(per_micro=256.0)
-STATE: dict[str, Any] = {"cost": None, "prior": None, "meter": None, "metering": True}
+STATE: dict[str, Any] = {"cost": None, "prior": None, "meter": None, "metering": True, "forward_only": False}
 _WRAPPED: list[tuple[Any, str, Any]] = []
 
 
@@ -70,9 +70,13 @@ def wrap_engine(cls: Any) -> None:
 
     def forward_backward_batch(self: Any, data: Any, loss_function: Any, forward_only: bool = False) -> Any:
         set_model(getattr(getattr(self, "model_config", None), "hf_config", None))
-        if forward_only or not STATE["metering"] or STATE["meter"] is None:
-            return original(self, data, loss_function, forward_only=forward_only)
-        return _metered(self, original, data, loss_function)
+        STATE["forward_only"] = bool(forward_only)  # a byte budget plans this pass with the forward model
+        try:
+            if forward_only or not STATE["metering"] or STATE["meter"] is None:
+                return original(self, data, loss_function, forward_only=forward_only)
+            return _metered(self, original, data, loss_function)
+        finally:
+            STATE["forward_only"] = False
     _WRAPPED.append((cls, "forward_backward_batch", original))
     cls.forward_backward_batch = forward_backward_batch
 

@@ -35,6 +35,11 @@ all-gather), so ``max_token_len`` caps the unique tokens of each micro-batch's p
 ``_verl_tree`` runs the engine's forward on those tries (each shared prompt once per micro-batch;
 log-probs and update equal to verl's own within 1e-5 in float32, tests/test_integration_verl_share.py).
 
+A memory budget (``install(memory=MemoryModel, max_bytes_per_micro=B)``, docs/memory.md): every
+micro-batch's predicted peak also stays under B — verl's ``max_token_len`` still holds, so set
+it generously and let the bytes decide; inside the engine's forward-only passes (log-probs) the
+model's ``forward`` is used.
+
 Guarantees per call: equal micro-batch counts over ``dp_group``, no micro-batch over
 ``max_token_len`` tokens, no empty micro-batch unless ``short_step="pad"`` asked for one, index
 lists that are a permutation of the local batch. Balance uses verl's own workload model
@@ -74,7 +79,7 @@ INSTALL_HINT = ("pip install -e '.[verl]' (in the microplan clone) && pip instal
 #: cost per micro-batch worth 256 tokens, which verl's model lacks: without it every extra
 #: micro-batch looks free and the K search would split steps for nothing.
 VERL_WORKLOAD = FlopsCost(linear=24576.0, quadratic=1.0, per_micro=24576.0 * 256)
-_SETTINGS: dict[str, Any] = {"short_step": "error", "share": False}
+_SETTINGS: dict[str, Any] = {"short_step": "error", "share": False, "memory": None}
 _PATCHED: list[tuple[Any, str, Any]] = []  # (module, name, what it held before install)
 _NAMES = ("get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
           "restore_dynamic_batch")
@@ -164,6 +169,7 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
     config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
                   short_step=short, cost=cost if cost is not None else current_cost(), placement="local",
                   share_prefixes=share)
+    config.update(_memory_budget())
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
     prefixes = None
     if share:  # a rank whose rows will run flat plans no sharing (its cap must count every token)
@@ -264,7 +270,8 @@ def restore_dynamic_batch(data: Any, batch_idx_list: list[list[int]]) -> Any:
 # -- the switch ----------------------------------------------------------------------------------
 
 def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step: str = "error",
-            share_prefixes: bool = False, meter: bool = True) -> None:
+            share_prefixes: bool = False, meter: bool = True, memory: Any = None,
+            max_bytes_per_micro: int | None = None) -> None:
     """Route verl's sequence balancing through microplan in this process (idempotent).
 
     Replaces the four functions in ``verl.utils.seqlen_balancing`` and in every loaded ``verl``
@@ -277,6 +284,8 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     ``FSDPEngineWithLMHead``) on prefix-tree micro-batches — each shared prompt and response
     prefix once per micro-batch — planned with ``share_prefixes`` × ``placement="local"``; see
     ``_verl_tree`` for what runs as a tree and what keeps verl's own forward.
+    ``memory`` / ``max_bytes_per_micro``: a :class:`microplan.MemoryModel` and the bytes one GPU
+    may add per micro-batch (both or neither): micro-batches are also planned under the budget.
     """
     try:
         import verl.utils.seqlen_balancing as sb
@@ -295,7 +304,10 @@ def install(*, cost: CostModel | None = None, hf_config: Any = None, short_step:
     except (TypeError, ValueError, KeyError, AttributeError) as exc:
         raise PlanError(f"install(hf_config=...) could not read the model's shape: {exc}; pass a transformers "
                         "config or its dict (hidden_size, num_hidden_layers, num_attention_heads, ...).") from None
-    _SETTINGS.update(short_step=short_step, share=share_prefixes)
+    if memory is not None or max_bytes_per_micro is not None:  # validated as PlanConfig validates them
+        PlanConfig(dp_size=1, memory=memory, max_bytes_per_micro=max_bytes_per_micro)
+    _SETTINGS.update(short_step=short_step, share=share_prefixes,
+                     memory=None if memory is None else (memory, max_bytes_per_micro))
     _verl_tree.STATE["share"] = share_prefixes
     _verl_tree.reset_counts()
     if share_prefixes:  # wrap the engine now, so its first loop already plans tries (else: at its first balancing)
@@ -324,7 +336,7 @@ def uninstall() -> None:
     unwrap_engines()
     _verl_tree.unwrap()
     reset()
-    _SETTINGS.update(short_step="error", share=False)
+    _SETTINGS.update(short_step="error", share=False, memory=None)
 
 
 def installed() -> bool:
@@ -343,6 +355,15 @@ def _wrap_engines() -> None:
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
+def _memory_budget() -> dict[str, Any]:
+    """PlanConfig fields of the installed memory budget (the forward model inside a forward-only pass)."""
+    if _SETTINGS["memory"] is None:
+        return {}
+    from ._verl_meter import STATE as METER
+    model, budget = _SETTINGS["memory"]
+    return {"memory": model.forward_model() if METER.get("forward_only") else model, "max_bytes_per_micro": budget}
+
 
 def _synced(dp_group: Any, same_micro_num_in_dp: bool) -> bool:
     if not same_micro_num_in_dp or dp_group is None:
