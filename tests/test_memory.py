@@ -222,3 +222,26 @@ def test_dense_mask_long_samples_run_alone():
                     assert micro.num_tokens <= pack_cap < 3000
     with pytest.raises(mp.PlanError, match="no token cap keeps every micro-batch"):  # padding multiples: refused
         mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, memory=m, max_bytes_per_micro=B, pad_to_multiple_of=8))
+
+
+def test_memory_meter_learns_the_machine():
+    """A prior off by 30 % is rescaled from a balanced plan's near-identical peaks; the margin covers every record."""
+    truth = mp.MemoryModel(per_token=39_000.0, per_row_sq=11.7, per_micro=1.3e6)
+    prior = mp.MemoryModel(per_token=30_000.0, per_row_sq=9.0, per_micro=1e6, margin=0.1)
+    meter = mp.MemoryMeter(prior)
+    assert meter.model() is prior
+    rng = np.random.default_rng(0)
+    comps = [list(rng.integers(100, 400, rng.integers(3, 7))) for _ in range(20)]
+    for c in comps:
+        meter.record(c, truth.micro_bytes(c) * (1 + 0.01 * rng.standard_normal()))
+    got = meter.model()
+    assert got.per_token == pytest.approx(39_000.0, rel=0.03) and got.margin <= 0.05
+    assert all(got.with_margin(got.micro_bytes(c)) >= truth.micro_bytes(c) * 0.99 for c in comps)
+    free = mp.MemoryMeter()
+    with pytest.raises(mp.PlanError, match="no prior"):
+        free.model()
+    for c in comps + [[int(sum(c))] for c in comps[:6]]:
+        free.record(c, truth.micro_bytes(c))
+    assert free.model().micro_bytes([250, 250]) == pytest.approx(truth.micro_bytes([250, 250]), rel=0.01)
+    with pytest.raises(mp.PlanError, match="flat micro-batches"):
+        free.record(mp.Micro([0], [5], [4], [1.0], cp_size=2, cp_group=(0, 1)), 1e6)

@@ -19,7 +19,7 @@ from .cost.vision import VisionCost
 from .footprint import LAYOUTS, Footprint
 from .errors import PlanError
 from .forward import plan_forward
-from .memory import MemoryModel, logits_bytes, logits_token_cap
+from .memory import MemoryMeter, MemoryModel, logits_bytes, logits_token_cap
 from .plan import Plan
 from .planner import plan
 from .prefix import PrefixTree, find_shared_prefixes
@@ -32,5 +32,5 @@ __all__ = [
     "TokenCost", "FlopsCost", "CPCost", "CostModel", "plan", "Plan", "Step", "Micro", "PlanStats",
     "StepStats", "KChoice", "PlanError", "calibrate", "calibration_row", "CalibrationResult", "CostMeter",
     "MeterReport", "VisionCost", "LAYOUTS", "Footprint", "find_shared_prefixes", "PrefixTree", "plan_forward",
-    "logits_token_cap", "logits_bytes", "MemoryModel", "__version__",
+    "logits_token_cap", "logits_bytes", "MemoryModel", "MemoryMeter", "__version__",
 ]
