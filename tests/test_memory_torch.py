@@ -100,3 +100,40 @@ def test_byte_plan_runs_under_its_budget():
     fpeaks = [peak_bytes(lambda: fwd(pack_micro(m, tokens))) for step in fplan.steps for row in step.micros
               for m in row if not m.is_placeholder]
     assert max(fpeaks) <= B
+
+
+def test_shared_prefix_byte_plan_runs_under_its_budget():
+    """With sharing: prefix-tree micro-batches (path tables, gathered keys) measured by
+    profile_memory(trees=True), planned under B, every measured peak <= B."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from microplan.torch import register_attention
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      attn_implementation=register_attention())
+    run = _runner(LlamaForCausalLM(cfg).train())
+    res = profile_memory(run, max_tokens_per_micro=CAP, vocab_size=VOCAB, trees=True)
+    assert res.model.tree_factor > 1.0  # trees hold more than their unique tokens show
+    B = res.model.micro_bytes([CAP // 2, CAP // 2])
+    rng = np.random.default_rng(0)
+    g = torch.Generator().manual_seed(0)
+    toks, lens, parent, shared, pids = [], [], [], [], []
+    for p in range(8):  # GRPO groups: a prompt shared by 4 responses
+        P = int(rng.integers(20, 90))
+        prompt = torch.randint(0, VOCAB, (P,), generator=g)
+        for k in range(4):
+            R = int(rng.integers(5, 60))
+            toks.append(torch.cat([prompt, torch.randint(0, VOCAB, (R,), generator=g)]))
+            lens.append(P + R)
+            parent.append(-1 if k == 0 else len(lens) - 1 - k)
+            shared.append(0 if k == 0 else P)
+            pids.append(p)
+    batch = mp.Batch(lens, prompt_ids=pids, prefix_parent=parent, shared_prefix_lens=shared)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B, share_prefixes=True))
+    plan.validate()
+    micros = [m for s in plan.steps for row in s.micros for m in row if not m.is_placeholder]
+    assert any(m.tree.num_tokens < m.real_tokens for m in micros)  # prefixes really shared
+    peaks = [peak_bytes(lambda: run(pack_micro(m, toks))) for m in micros]
+    assert max(peaks) <= B, (max(peaks), B)
+    assert max(peaks) >= 0.8 * B, (max(peaks), B)

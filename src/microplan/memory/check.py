@@ -56,17 +56,21 @@ def bin_bytes(fp: Footprint, model: MemoryModel, samples: np.ndarray, bin_of: np
     for phase in model.phases():  # the peak is the largest phase's
         tokens, raw = bin_footprint(bfp, phase.as_cost(), samples, bin_of, num_bins, forest=forest)
         raw = np.where(empty, phase.per_micro + phase.per_token, raw)
+        if forest is not None and model.tree_factor != 1.0:  # path tables, gathered path keys
+            raw = raw * model.tree_factor
         per_gpu = np.where(c > 1, (raw - phase.per_micro) / np.maximum(c, 1.0) + phase.per_micro
                            + model.kv_per_token * tokens, raw)
         out = np.maximum(out, per_gpu)
     return np.ceil(out).astype(np.int64)
 
 
-def sample_bytes(fp: Footprint, model: MemoryModel, cp_size: int = 1) -> np.ndarray:
-    """Predicted bytes of each sample of the batch in a micro-batch of its own over ``cp_size`` GPUs."""
+def sample_bytes(fp: Footprint, model: MemoryModel, cp_size: int = 1, *,
+                 forest: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """Predicted bytes of each sample of the batch in a micro-batch of its own over ``cp_size`` GPUs
+    (``forest``: packed as a tree row, as under ``share_prefixes``)."""
     n = fp.seq_lens.size
     idx = np.arange(n, dtype=np.int64)
-    return bin_bytes(fp, model, idx, idx, n, cp_size=cp_size)
+    return bin_bytes(fp, model, idx, idx, n, cp_size=cp_size, forest=forest)
 
 
 def step_micro_bytes(batch: Batch, cfg: PlanConfig, step: Step, fp: Footprint, model: MemoryModel) -> np.ndarray:

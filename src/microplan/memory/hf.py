@@ -30,6 +30,10 @@ sequence parallelism every term divides by t (Megatron's ``theoretical_memory_us
   is alive and the boolean mask is what shows: ``per_row_sq = 1`` (measured 1.2-1.7).
 - Forward-only pass: nothing is saved; the peak is the larger of one layer's transients and the
   logits, above the hidden state: ``e·(3h + layer) `` vs ``e·3h + logits``.
+- Prefix trees (``share_prefixes``): microplan's tree attention gathers each segment's path keys
+  and keeps path tables; ``tree_factor`` 1.25 covers what was measured on CPU (1.18-1.21× the
+  flat row of the same unique tokens, tiny Llama, three tree shapes); ``profile_memory(trees=True)``
+  measures it for a real model.
 - Context parallel: each GPU keeps the gathered keys/values of the whole row, per layer
   (``kv_per_token = e·layers·(k + v)/t``; one layer under recomputation).
 
@@ -56,6 +60,8 @@ _DTYPES = {"bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2, "float3
 #: (under recomputation: the boolean mask).
 SDPA_MASK_BYTES = 9.0
 SDPA_MASK_BYTES_RECOMPUTE = 1.0
+#: prefix-tree micro-batches: bytes over what their unique tokens predict (measured 1.18-1.21x on CPU)
+TREE_FACTOR = 1.25
 
 
 def dtype_bytes(dtype: Any, what: str = "dtype") -> int:
@@ -136,8 +142,8 @@ def memory_from_hf_config(cls: Any, config: Mapping[str, Any] | object, *, dtype
     fwd_scores = heads * e / t if attention == "eager" else 0.0
     fwd = cls(per_token=rest + max(logits_fwd, e * layer / t), per_sample_sq=fwd_scores,
               per_row_sq=SDPA_MASK_BYTES if attention == "sdpa-packed" else fwd_scores,
-              kv_per_token=e * kv / t, margin=m,
+              kv_per_token=e * kv / t, margin=m, tree_factor=TREE_FACTOR,
               note=f"from_hf_config forward-only, {attention}, {dtype}")
     return cls(per_token=per_token, per_sample_sq=sample_sq, per_row_sq=row_sq, kv_per_token=e * kv_layers * kv / t,
-               margin=m, forward=fwd,
+               margin=m, forward=fwd, tree_factor=TREE_FACTOR,
                note=f"from_hf_config, {attention}, {dtype}, checkpointing {'on' if gradient_checkpointing else 'off'}")

@@ -33,7 +33,8 @@ Other layouts and parallelism, read through the same coefficients (``memory/chec
 padded ``[n, W]`` micro-batch is n rows of W; a prefix tree is priced by its unique tokens and
 Σ depth (a token of depth d attends to its whole path); a CP group of c GPUs splits the row's
 token terms c ways and each GPU also holds the gathered keys/values of the whole row
-(``kv_per_token``); vision patches add ``per_vision_token``. ``forward``: the model of the
+(``kv_per_token``); vision patches add ``per_vision_token``; a prefix tree holds path tables and
+gathered path keys its unique tokens do not show (``tree_factor``). ``forward``: the model of the
 no-grad pass (log-probs, reference, values: no saved activations), which ``plan_forward`` plans
 with; None plans the forward pass with this model (safe, not tight).
 
@@ -59,6 +60,7 @@ __all__ = ["MemoryModel", "memory_from_dict", "GiB"]
 GiB = 2 ** 30
 _COEFS = ("per_token", "per_sample_sq", "per_row_sq", "per_micro")
 _EXTRA = ("floor", "kv_per_token", "per_vision_token", "margin")
+_ONE = ("tree_factor",)  # fields whose neutral value is 1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,9 @@ class MemoryModel:
             ``⌈bytes·(1 + margin)⌉`` under ``max_bytes_per_micro``.
         forward: the model of the forward-only (no-grad) pass, or None (use this one).
         phase2: a second phase of the pass (its four terms; the prediction is the larger), or None.
+        tree_factor: >= 1: a prefix-tree micro-batch (``share_prefixes``) adds this times what its
+            unique tokens and Σ depth predict (path tables, gathered path keys);
+            ``profile_memory(trees=True)`` measures it.
         note: where the coefficients come from (``from_hf_config``, ``profile_memory``, ...).
     """
 
@@ -95,6 +100,7 @@ class MemoryModel:
     forward: MemoryModel | None = None
     note: str = ""
     phase2: MemoryModel | None = None
+    tree_factor: float = 1.0
 
     def __post_init__(self) -> None:
         for name in _COEFS + _EXTRA:
@@ -105,6 +111,10 @@ class MemoryModel:
         if self.per_token <= 0.0 and not (self.per_sample_sq or self.per_row_sq):
             raise PlanError(f"MemoryModel.per_token={self.per_token} must be > 0: every token of a micro-batch holds "
                             "activations; pass the bytes per token (MemoryModel.from_hf_config derives it).")
+        tf = float_field("MemoryModel.tree_factor", self.tree_factor, minimum=1.0)
+        if tf > 100.0:
+            raise PlanError(f"MemoryModel.tree_factor={tf} must be a factor of at most 100 (1.2 = 20 % more bytes).")
+        object.__setattr__(self, "tree_factor", tf)
         if self.margin >= 10.0:
             raise PlanError(f"MemoryModel.margin={self.margin} is a relative margin (0.1 = 10 %); pass one below 10.")
         fwd = self.forward
@@ -184,6 +194,8 @@ class MemoryModel:
             parts.append(f"floor {self.floor / 2 ** 20:,.1f} MiB")
         if self.kv_per_token:
             parts.append(f"CP K/V {self.kv_per_token:,.0f} B/token")
+        if self.tree_factor != 1.0:
+            parts.append(f"trees ×{self.tree_factor:.3g}")
         if self.phase2 is not None:
             parts.append("or " + self.phase2.describe().removeprefix("MemoryModel: ").split("; margin")[0])
         src = f" ({self.note})" if self.note else ""
@@ -198,6 +210,8 @@ class MemoryModel:
             out["note"] = self.note
         if self.phase2 is not None:
             out["phase2"] = self.phase2.to_dict()
+        if self.tree_factor != 1.0:
+            out["tree_factor"] = self.tree_factor
         return out
 
     @classmethod

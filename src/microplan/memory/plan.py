@@ -106,7 +106,9 @@ def _check_alone(batch: Batch, cfg: PlanConfig) -> None:
     m, budget = cfg.memory, cfg.max_bytes_per_micro
     assert m is not None and budget is not None
     width = _widest_cp(cfg)
-    alone = m.with_margin(sample_bytes(footprint_of(batch, cfg), m, width))
+    from ..prefix import forest_of
+    forest = forest_of(batch) if cfg.share_prefixes else None  # a lone sample still runs as a tree row
+    alone = m.with_margin(sample_bytes(footprint_of(batch, cfg), m, width, forest=forest))
     if alone.size and int(alone.max()) > budget:
         j = int(np.argmax(alone))
         cp = f" over a CP group of {width} GPUs" if width > 1 else ""

@@ -16,6 +16,10 @@ Design note. Mirrors ``profile_cost`` (``torch/profile.py``), with peak bytes in
    ``extra_margin``: stated in ``MemoryProfile.model.margin`` and its note, never guessed.
 5. ``run_forward`` (optional): the same design through the no-grad pass, fitted and attached as
    ``model.forward`` (what ``plan_forward`` plans with).
+6. ``trees=True`` (a model running microplan's attention, ``register_attention``): prefix-tree
+   micro-batches (a prompt of C/2 shared by 4 responses of C/8, C/4 by 3 of C/4, C/8 by 14 of
+   C/16) are measured too, and ``tree_factor`` is the largest measured/predicted ratio of their
+   unique tokens and Σ depth (rounded up to 0.5 %, at least 1).
 
 Guarantee: held-out errors are reported (``heldout_median_error``, ``heldout_max_error``), as
 ``profile_cost`` does. Measured: benchmarks/bench_memory.py.
@@ -98,7 +102,7 @@ def profile_memory(run_micro: Callable[[Any], Any], *, max_tokens_per_micro: int
                    heldout: Sequence[Sequence[int]] | None = None, run_forward: Callable[[Any], Any] | None = None,
                    repeats: int = 1, warmup: int = 1, seed: int = 0, vocab_size: int = 128,
                    device: torch.device | str | None = None, packed: bool | None = None,
-                   extra_margin: float = 0.0) -> MemoryProfile:
+                   extra_margin: float = 0.0, trees: bool = False) -> MemoryProfile:
     """Measure designed micro-batches with the user's model and fit a :class:`microplan.MemoryModel`.
 
     Args:
@@ -117,6 +121,8 @@ def profile_memory(run_micro: Callable[[Any], Any], *, max_tokens_per_micro: int
         device: where the model computes (CUDA: allocator peaks; otherwise storages counted).
         packed: force (True) or forbid (False) the packed-row T² term; None lets the peaks decide.
         extra_margin: added to the measured margin (relative), e.g. for fragmentation on a GPU.
+        trees: also measure prefix-tree micro-batches and set ``model.tree_factor`` (the model
+            must run microplan's attention: ``register_attention()``).
     """
     if not callable(run_micro):
         raise PlanError(f"profile_memory(run_micro={run_micro!r}) must be a function of one PackedMicro.")
@@ -150,6 +156,10 @@ def profile_memory(run_micro: Callable[[Any], Any], *, max_tokens_per_micro: int
         rows += [{"seq_lens": list(c), "bytes": int(b), "heldout": i >= len(fit_c), "pass": what}
                  for i, (c, b) in enumerate(zip(comps, got))]
     fit, model, held = models["train"]
+    if trees:
+        ratios, tree_rows = _tree_ratios(run_micro, model, cap, vocab, device, seed)
+        rows += tree_rows
+        model = dataclasses.replace(model, tree_factor=max(1.0, math.ceil(max(ratios) * 200.0) / 200.0))
     if "forward" in models:
         model = dataclasses.replace(model, forward=models["forward"][1])
     fwd_held = models["forward"][2] if "forward" in models else None
@@ -158,3 +168,37 @@ def profile_memory(run_micro: Callable[[Any], Any], *, max_tokens_per_micro: int
                          heldout_max_error=float(np.max(np.abs(held))) if held.size else None,
                          forward_heldout_max_error=float(np.max(np.abs(fwd_held))) if fwd_held is not None
                          and fwd_held.size else None, rows=tuple(rows))
+
+
+def _tree_ratios(run: Callable[[Any], Any], model: MemoryModel, cap: int, vocab: int, device: Any,
+                 seed: int) -> tuple[list[float], list[dict[str, Any]]]:
+    """Measured / predicted bytes of the designed prefix-tree micro-batches (module note, 6)."""
+    from ..batch import Batch
+    from ..config import PlanConfig
+    from ..footprint import footprint_of
+    from ..memory.check import bin_bytes
+    from ..planner import plan
+    from ..prefix import forest_of
+    from .packing import pack_micro
+    gen = torch.Generator().manual_seed(int(seed) + 1)
+    flat = dataclasses.replace(model, tree_factor=1.0)
+    ratios, rows = [], []
+    for P, R, n in ((cap // 2, cap // 8, 4), (cap // 4, cap // 4, 3), (cap // 8, cap // 16, 14)):
+        if P < 1 or R < 1:
+            continue
+        prompt = torch.randint(0, vocab, (P,), generator=gen)
+        toks = [torch.cat([prompt, torch.randint(0, vocab, (R,), generator=gen)]) for _ in range(n)]
+        batch = Batch(np.full(n, P + R), prompt_ids=np.zeros(n, dtype=np.int64),
+                      prefix_parent=np.array([-1] + [0] * (n - 1)), shared_prefix_lens=np.array([0] + [P] * (n - 1)))
+        cfg = PlanConfig(dp_size=1, max_tokens_per_micro=n * (P + R), share_prefixes=True)
+        micro = plan(batch, cfg).steps[0].micros[0][0]
+        packed = pack_micro(micro, toks)
+        packed = packed if torch.device(device).type == "cpu" else packed.to(device)
+        got = peak_bytes(lambda: run(packed), device=device)
+        idx = np.asarray(micro.indices, dtype=np.int64)
+        pred = int(bin_bytes(footprint_of(batch, cfg), flat, idx, np.zeros(idx.size, dtype=np.int64), 1,
+                             forest=forest_of(batch))[0])
+        ratios.append(got / pred)
+        rows.append({"seq_lens": [P + R] * n, "shared_prefix": P, "bytes": int(got), "predicted": pred,
+                     "heldout": False, "pass": "tree"})
+    return ratios or [1.0], rows
