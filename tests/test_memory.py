@@ -130,7 +130,8 @@ def memory_cases(draw):
         kw["prompt_lens"] = np.minimum(lens, rng.integers(1, 9, n))
     if extra.get("share_prefixes"):
         parent = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, n)])
-        kw |= dict(prefix_parent=parent, shared_prefix_lens=np.minimum(lens, lens[np.maximum(parent, 0)]) // 2 * (parent >= 0))
+        shared = np.minimum(lens, lens[np.maximum(parent, 0)]) // 2 * (parent >= 0)
+        kw |= dict(prefix_parent=parent, shared_prefix_lens=shared)
     dp = draw(st.integers(1, 4))
     if "context_parallel" in extra and extra["context_parallel"].dynamic:
         dp = 2 * draw(st.integers(1, 2))

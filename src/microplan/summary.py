@@ -332,7 +332,8 @@ def _memory_lines(plan: Plan) -> list[str]:
     gib = 2 ** 30
     return [_row("max bytes per GPU", f"{st.max_micro_bytes / gib:,.3f} GiB predicted peak (+{m.margin:.1%} margin = "
                  f"{m.with_margin(st.max_micro_bytes) / gib:,.3f} GiB) of the {b / gib:,.3f} GiB max_bytes_per_micro "
-                 f"({100 * m.with_margin(st.max_micro_bytes) / b:.1f} %) under the token cap {cfg.max_tokens_per_micro:,}; "
+                 f"({100 * m.with_margin(st.max_micro_bytes) / b:.1f} %) under the token cap "
+                 f"{cfg.max_tokens_per_micro:,}; "
                  f"{m.describe()}")]
 
 

@@ -67,8 +67,8 @@ class MemoryMeter:
         try:
             lens = tuple(int(x) for x in np.asarray(raw, dtype=np.int64).reshape(-1))
         except (TypeError, ValueError):
-            raise PlanError(f"MemoryMeter.record needs the micro-batch's sample lengths, got {type(seq_lens).__name__}.") \
-                from None
+            raise PlanError("MemoryMeter.record needs the micro-batch's sample lengths, got "
+                            f"{type(seq_lens).__name__}.") from None
         if not lens or min(lens) < 1:
             raise PlanError("MemoryMeter.record: a micro-batch of samples of >= 1 tokens (placeholders carry no "
                             "activations worth recording).")

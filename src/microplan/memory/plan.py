@@ -28,7 +28,8 @@ fits alone by step 1); the plan's config carries max(C, the longest sample) as i
 
 The plan's config carries the cap chosen (``max_tokens_per_micro``) beside the memory model, so
 ``Plan.validate`` checks both and planning again from ``plan.config`` gives the same plan (its
-cap is tried first; not guaranteed when long samples ran alone, whose cap is the longest sample). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
+cap is tried first; not guaranteed when long samples ran alone, whose cap is the longest
+sample). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
 """
 
 from __future__ import annotations
@@ -185,5 +186,5 @@ def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[..., Plan
                     f"at the least cap that holds every sample ({lo:,} tokens), step {s}, rank {r}, micro {m} is "
                     f"predicted to add {nbytes:,} bytes (margin {config.memory.margin:.1%} on top). The memory "
                     "model charges packed rows more than lone samples (a dense mask); use a per-sample attention "
-                    f"kernel (flash-attn varlen, microplan.torch.register_attention()), plain varlen rows without "
-                    f"padding multiples, sharing or CP (then long samples run alone), or {FIXES}.")  # type: ignore[union-attr]
+                    "kernel (flash-attn varlen, microplan.torch.register_attention()), plain varlen rows without "
+                    f"padding multiples, sharing or CP (then long samples run alone), or {FIXES}.")
