@@ -14,6 +14,8 @@ Design note. For each small random-weight model built from a config (Llama, GPT-
    of C/4) peaks under B (bisection on measured rows). The same batch planned with
    ``max_tokens_per_micro=C*``: micro-batches per rank, byte plan vs token plan.
 4. The log-prob pass: ``plan_forward`` at the same B, tokens per micro-batch vs the training plan.
+5. Sharing: a Llama on microplan's attention, profiled with ``trees=True``; 16 GRPO groups of 4
+   planned with ``share_prefixes`` under B and without; every micro-batch run and measured.
 
 Then the 7B/70B figures ``from_hf_config`` predicts (bf16, flash attention, no recomputation,
 per token) next to the published formulas: Korthikanti et al. 2022 (selective recomputation,
@@ -115,6 +117,50 @@ def _cell(arch: str, attn: str, ckpt: bool, cap: int, n: int) -> dict:
                 byte_cap=bplan.config.max_tokens_per_micro, forward_cap=fplan.config.max_tokens_per_micro)
 
 
+def _sharing_cell(cap: int) -> dict:
+    """Llama on microplan's attention, GRPO groups sharing a prompt: profile with trees, plan with
+    share_prefixes under B, run every micro-batch (and the same batch without sharing)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import microplan as mp
+    from microplan.torch import (pack_micro, peak_bytes, profile_memory, register_attention, token_logprobs,
+                                 weighted_loss)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                      attn_implementation=register_attention())
+    model = LlamaForCausalLM(cfg).train()
+
+    def run(p):
+        weighted_loss(-token_logprobs(model(**p.model_inputs(), use_cache=False).logits.float(), p), p).backward()
+    res = profile_memory(run, max_tokens_per_micro=cap, vocab_size=VOCAB, trees=True)
+    B = res.model.micro_bytes([cap // 4] * 4)
+    rng = np.random.default_rng(2)
+    gen = torch.Generator().manual_seed(0)
+    toks, lens, parent, shared, pids = [], [], [], [], []
+    for p in range(16):
+        P = int(rng.integers(cap // 16, cap // 4))
+        prompt = torch.randint(0, VOCAB, (P,), generator=gen)
+        for k in range(4):
+            R = int(rng.integers(cap // 32, cap // 6))
+            toks.append(torch.cat([prompt, torch.randint(0, VOCAB, (R,), generator=gen)]))
+            lens.append(P + R)
+            parent.append(-1 if k == 0 else len(lens) - 1 - k)
+            shared.append(0 if k == 0 else P)
+            pids.append(p)
+    batch = mp.Batch(lens, prompt_ids=pids, prefix_parent=parent, shared_prefix_lens=shared)
+    out = {"arch": "llama (microplan attention)", "tree_factor": res.model.tree_factor, "budget": B}
+    for share in (True, False):
+        plan = mp.plan(batch, mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B, share_prefixes=share))
+        peaks = [peak_bytes(lambda: run(pack_micro(m, toks))) for s in plan.steps for row in s.micros
+                 for m in row if not m.is_placeholder]
+        key = "shared" if share else "flat"
+        out[f"{key}_max_peak_over_B"] = max(peaks) / B
+        out[f"{key}_K"] = plan.steps[0].micro_count
+    return out
+
+
 def _published() -> list[dict]:
     import microplan as mp
     out = []
@@ -147,6 +193,11 @@ def main() -> None:
         print(f"{label:28} {c['regime']:7} {c['heldout_median']:8.1%} / {c['heldout_worst']:5.1%} "
               f"{c['hf_median']:6.1%}/{c['hf_worst']:5.1%} {c['fullest']:7.3f} {c['byte_K']:7d} / {c['token_K']:<5d} "
               f"{c['forward_cap'] / c['byte_cap']:12.2f}x")
+    share = _sharing_cell(cap)
+    print(f"\nshared prefixes (16 prompts x 4, microplan attention, tree_factor {share['tree_factor']:.3f}): "
+          "max peak / B "
+          f"{share['shared_max_peak_over_B']:.3f} with sharing (K {share['shared_K']}), "
+          f"{share['flat_max_peak_over_B']:.3f} without (K {share['flat_K']})")
     pub = _published()
     print(f"\n{'config (bf16, fa2)':18} {'ours MB/token':>13} {'ckpt':>6} {'Korthikanti layers':>19} "
           f"{'Megatron layers':>16} {'measured':>9}")
@@ -154,7 +205,8 @@ def main() -> None:
         meas = f"{p['measured_mb']:.1f}" if p["measured_mb"] else "-"
         print(f"{p['model']:18} {p['ours_mb_per_token']:13.2f} {p['ours_ckpt_mb_per_token']:6.2f} "
               f"{p['korthikanti_layers_mb']:19.2f} {p['megatron_layers_mb']:16.2f} {meas:>9}")
-    record("memory", write=not args.no_write, quick=args.quick, cap=cap, samples=n, cells=cells, published=pub)
+    record("memory", write=not args.no_write, quick=args.quick, cap=cap, samples=n, cells=cells, sharing=share,
+           published=pub)
 
 
 if __name__ == "__main__":
