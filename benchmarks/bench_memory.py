@@ -14,6 +14,8 @@ Design note. For each small random-weight model built from a config (Llama, GPT-
    of C/4) peaks under B (bisection on measured rows). The same batch planned with
    ``max_tokens_per_micro=C*``: micro-batches per rank, byte plan vs token plan.
 4. The log-prob pass: ``plan_forward`` at the same B, tokens per micro-batch vs the training plan.
+6. The dense-mask case: B just holds one sample of 0.9·cap tokens (Llama, sdpa; prediction + margin); a
+   packed row at that many tokens is over B, so no token cap is safe; the byte plan is run.
 5. Sharing: a Llama on microplan's attention, profiled with ``trees=True``; 16 GRPO groups of 4
    planned with ``share_prefixes`` under B and without; every micro-batch run and measured.
 
@@ -161,6 +163,39 @@ def _sharing_cell(cap: int) -> dict:
     return out
 
 
+def _dense_case(cap: int) -> dict:
+    """The issue's case on Llama + transformers' sdpa (a dense [T, T] mask over packed rows): B just
+    holds ONE sample of 0.9·cap tokens (its prediction plus margin); no token cap both holds it and
+    keeps every packed row under B; the byte plan runs it alone and packs the rest below B."""
+    import torch
+
+    import microplan as mp
+    from microplan.torch import pack_micro, peak_bytes, profile_memory, token_logprobs, weighted_loss
+    model, _ = _model("llama", "sdpa", False)
+
+    def run(p):
+        weighted_loss(-token_logprobs(model(**p.model_inputs(), use_cache=False).logits.float(), p), p).backward()
+    res = profile_memory(run, max_tokens_per_micro=cap, vocab_size=VOCAB)
+    long = int(0.9 * cap)
+    gen = torch.Generator().manual_seed(0)
+
+    def measure(parts: list[int]) -> int:
+        micro = mp.Micro(np.arange(len(parts)), np.array(parts), np.array(parts) - 1, np.ones(len(parts)))
+        toks = [torch.randint(0, VOCAB, (p,), generator=gen) for p in parts]
+        return peak_bytes(lambda: run(pack_micro(micro, toks)))
+    B = res.model.with_margin(res.model.micro_bytes([long]))  # the budget that just holds the long sample
+    pack_at_long = measure([long // 2, long - long // 2]) / B  # a token cap of `long`: a pack there
+    lens = np.concatenate([[long], np.random.default_rng(3).integers(32, cap // 3, 40)])
+    gtoks = [torch.randint(0, VOCAB, (int(L),), generator=gen) for L in lens]
+    plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B))
+    peaks = [peak_bytes(lambda: run(pack_micro(m, gtoks))) for s in plan.steps for row in s.micros
+             for m in row if not m.is_placeholder]
+    alone = all(m.num_samples == 1 for s in plan.steps for row in s.micros for m in row if 0 in m.indices)
+    return dict(long_sample=long, budget=B, pack_at_long_over_B=pack_at_long, long_alone_over_B=measure([long]) / B,
+                byte_plan_max_peak_over_B=max(peaks) / B, long_sample_alone=alone,
+                micro_count=plan.steps[0].micro_count)
+
+
 def _published() -> list[dict]:
     import microplan as mp
     out = []
@@ -198,6 +233,11 @@ def main() -> None:
           "max peak / B "
           f"{share['shared_max_peak_over_B']:.3f} with sharing (K {share['shared_K']}), "
           f"{share['flat_max_peak_over_B']:.3f} without (K {share['flat_K']})")
+    dense = _dense_case(cap)
+    print(f"dense mask (Llama sdpa): B = one {dense['long_sample']}-token sample; a packed row at that token cap "
+          f"holds {dense['pack_at_long_over_B']:.3f} B; the byte plan's max peak "
+          f"{dense['byte_plan_max_peak_over_B']:.3f} B "
+          f"(the long sample alone: {dense['long_sample_alone']})")
     pub = _published()
     print(f"\n{'config (bf16, fa2)':18} {'ours MB/token':>13} {'ckpt':>6} {'Korthikanti layers':>19} "
           f"{'Megatron layers':>16} {'measured':>9}")
@@ -206,7 +246,7 @@ def main() -> None:
         print(f"{p['model']:18} {p['ours_mb_per_token']:13.2f} {p['ours_ckpt_mb_per_token']:6.2f} "
               f"{p['korthikanti_layers_mb']:19.2f} {p['megatron_layers_mb']:16.2f} {meas:>9}")
     record("memory", write=not args.no_write, quick=args.quick, cap=cap, samples=n, cells=cells, sharing=share,
-           published=pub)
+           dense_case=dense, published=pub)
 
 
 if __name__ == "__main__":
