@@ -5,7 +5,9 @@ Design note. Steps are cut first (groups atomic), then each step runs the same f
 1. atoms      what is placed whole: samples, or prefix trees / tree parts (``stages/atoms.py``);
               with sharing, the granularity is chosen by predicted time (``stages/granularity.py``)
 2. footprint  what a set of atoms occupies: padding multiples, padded rows, unique trie tokens,
-              vision tokens — ``footprint.py``, the one function the cap, validate and stats use
+              vision tokens — ``footprint.py``, the one function the cap, validate and stats use;
+              its bytes under a memory model: ``memory/check.py`` (a byte budget chooses the
+              token cap: ``memory/plan.py``)
 3. placement  where an atom may go: any rank (global) or the rank that holds it (local)
 4. fit        K by predicted time, pack under the cap, ``short_step`` (``stages/fit.py``, ``local.py``)
 5. arrange    bins into the ranks × slots grid (``stages/place.py``, ``assign.py``)
