@@ -10,7 +10,7 @@ the model inside ``context_parallel(its CP group)`` and backwards its shard's lo
 - ``dynamic``: flat rows, ``ContextParallel(max_size=c)`` over the 4-process plane (the plan
   says each micro-batch's group and cp_rank; slots mix widths);
 - ``tree``: a ``share_prefixes=True`` plan with ``ContextParallel(size=c)`` at dp = 4 / c: tree
-  rows sharded over c processes by ``PackedMicro.cp_shard(q)``, halo rows counted by the planner;
+  rows sharded over c processes by ``PackedMicro.cp_shard(q)``, each GPU's ⌈U/c⌉ rows counted by the planner;
 - ``dynamic-tree``: ``share_prefixes=True`` with ``ContextParallel(max_size=c)`` over the plane
   (tree atoms in groups of mixed widths).
 
@@ -141,21 +141,23 @@ def run_case(rank: int, model: torch.nn.Module, groups: Groups, kind: str, c: in
     old = dict(enumerate(ds.old_logp))
     adv = {i: a for i, a in enumerate(ds.adv)}
     errs = {m: [0.0, 0.0] for m in mp.LOSS_MODES}
-    ran = {"micros": 0, "sharded": 0, "widths": set(), "halo_tokens": 0}
+    ran = {"micros": 0, "sharded": 0, "widths": set(), "crossed": 0, "max_rows_over_share": 0}
     for s, step in enumerate(ps[0].steps):
         acc = torch.zeros(len(ps), sum(p.numel() for p in params), dtype=torch.float64)
         Js = torch.zeros(len(ps), dtype=torch.float64)
         for m in range(step.micro_count):
             size, q, members = _member(kind, c, rank, step.micros[plan_rank][m])
-            shards = [pack_micro(p.steps[s].micros[plan_rank][m], ds.tokens, loss_masks=ds.masks)
-                      .cp_shard(q, cp_size=size) for p in ps]
+            rows = [pack_micro(p.steps[s].micros[plan_rank][m], ds.tokens, loss_masks=ds.masks) for p in ps]
+            shards = [r.cp_shard(q, cp_size=size) for r in rows]
             sh = shards[0]
             sh.validate()
             ran["micros"] += 1
             ran["widths"].add(size)
             if size > 1:
                 ran["sharded"] += 1
-                ran["halo_tokens"] += sh.num_tokens - sh.cp.own_index.numel()
+                ran["crossed"] += _crossed(rows[0], sh)
+                ran["max_rows_over_share"] = max(ran["max_rows_over_share"],
+                                                 sh.num_tokens - -(-rows[0].num_tokens // size))
                 with context_parallel(groups[members]):
                     logits = model(**sh.model_inputs(), use_cache=False).logits
             else:
@@ -182,6 +184,15 @@ def run_case(rank: int, model: torch.nn.Module, groups: Groups, kind: str, c: in
     return {"errors": errs, "ran": ran}
 
 
+def _crossed(row: Any, shard: Any) -> int:
+    """Entries the shard scores whose target token another member holds (the successor of an
+    owned row across a chunk boundary, or a child segment's first token)."""
+    full = dict(zip(row.sample_indices.tolist(), row.split(torch.arange(row.num_tokens))))
+    held = set(shard.cp.rows.tolist())
+    return sum(int(t) not in held for i, pos in zip(shard.sample_indices.tolist(), shard.cp.sample_positions)
+               for t in full[i][pos[pos > 0]].tolist())
+
+
 def rank_worker(rank: int, world: int, state: dict[str, torch.Tensor], data: dict[str, Dataset],
                 refs: dict) -> dict[tuple, dict[str, Any]]:
     torch.set_num_threads(1)
@@ -196,7 +207,7 @@ def rank_worker(rank: int, world: int, state: dict[str, torch.Tensor], data: dic
 
 
 def extras(rank: int, model: torch.nn.Module, groups: Groups) -> dict[str, Any]:
-    """A placeholder over the 4 processes (members 1-3 own nothing and run one halo token), and a
+    """A placeholder over the 4 processes (members 1-3 own nothing and run one dummy row), and a
     shard of a 4-wide group run under its 2-process group (refused)."""
     plan = mp.plan(mp.Batch([3]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=8))
     ph = next(m for row in plan.steps[0].micros for m in row if m.is_placeholder)

@@ -1,9 +1,10 @@
 """Context-parallel execution: ``PackedMicro.cp_shard`` and ``context_parallel`` (all-gather KV).
 
 Host-side properties of the cut and the shards (hypothesis, flat and tree rows, c = 2..4): the
-members' owned tokens partition the row, every owned token's predecessor is local, every owned
-query sees exactly the keys it sees unsharded, the shards' per-sample weights and values add up
-to the row's. On 4 gloo CPU processes (tests/_cp_exactness.py): a float64 transformers Llama
+members' owned tokens partition the row and are all a member computes (⌈U/c⌉ rows at most),
+every per-sample entry is scored once, from its predecessor's row on the member that owns it,
+every owned query sees exactly the keys it sees unsharded, the shards' per-sample weights,
+values and log-probs are the row's. On 4 gloo CPU processes (tests/_cp_exactness.py): a float64 transformers Llama
 run by CP groups of 2 and 4, flat rows under fixed and dynamic CP and tree rows, gives J and
 ∇J equal to the single-process per-sample computation within 1e-12 relative for every loss mode.
 """
@@ -103,16 +104,18 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c, padded
     prev_full = _prev_rows(p)
     owned_all, owned_by, w_by = [], [], {}
     values = {i: torch.arange(len(t), dtype=torch.float64) * 10 + i for i, t in enumerate(toks)}
+    owner = zigzag_owner(np.asarray(p.seq_lens), c)
     for q in range(c):
         s = p.cp_shard(q, cp_size=c)
         s.validate()
         cp = s.cp
         rows = cp.rows.tolist()
-        own = set(cp.own_index.tolist())
+        own = cp.own_index.tolist()
+        assert s.num_tokens <= -(-p.num_tokens // c)                # owned rows only: no halo
+        assert own == list(range(s.num_tokens)) or (not own and s.num_tokens == 1)
         owned_all += [rows[j] for j in own]
         owned_by.append(own)
         slot_row = {}                                             # gathered slot -> full row
-        owner = zigzag_owner(np.asarray(p.seq_lens), c)
         for m in range(c):
             for i, r in enumerate(np.flatnonzero(owner == m).tolist()):
                 slot_row[m * cp.width + i] = r
@@ -122,22 +125,24 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c, padded
             L = cu[k + 1] - cu[k]
             for j in range(L):                                    # bottom-right causal alignment
                 assert keys[: len(keys) - (L - 1 - j)] == visible[rows[cu[k] + j]]
-        for j in own:                                             # every owned token's predecessor is local
-            pl = int(s.tree.prev_index[j])
-            assert (rows[pl] if pl >= 0 else -1) == prev_full[rows[j]]
         assert torch.equal(s.input_ids, p.input_ids[cp.rows])
         assert torch.equal(s.position_ids, p.position_ids[cp.rows])
-        owned_w = float(p.loss_weights[[rows[j] for j in own]].sum())
-        assert float(s.loss_weights.sum()) == pytest.approx(owned_w, abs=1e-12)
         v = pack_values(s, values)
-        assert v.numel() == s.tree.sample_weights.numel() == s.expand(s.input_ids).numel()
+        assert v.numel() == s.tree.sample_weights.numel() == cp.target_ids.numel()
         start = 0
-        for i, pos in zip(s.sample_indices.tolist(), cp.sample_positions):
-            assert torch.equal(v[start:start + pos.numel()], values[i][pos])
-            assert torch.equal(s.expand(s.input_ids)[start:start + pos.numel()], toks[i][pos])  # per-sample
-            for t, w in zip(pos.tolist(), s.tree.sample_weights[start:start + pos.numel()].tolist()):
+        for i, pos, lr in zip(s.sample_indices.tolist(), cp.sample_positions, s.tree.sample_rows):
+            n = pos.numel()
+            assert torch.equal(v[start:start + n], values[i][pos])
+            assert torch.equal(cp.target_ids[start:start + n], toks[i][pos])       # each entry's label
+            full_rows = p.tree.sample_rows[p.sample_indices.tolist().index(i)] if p.tree is not None else \
+                p.cu_seqlens[p.sample_indices.tolist().index(i)] + torch.arange(len(toks[i]))
+            for t, r in zip(pos.tolist(), lr.tolist()):            # scored from its predecessor's row, held here
+                assert rows[r] == (prev_full[int(full_rows[t])] if t else int(full_rows[0]))
+                assert owner[rows[r]] == q
+            for t, w in zip(pos.tolist(), s.tree.sample_weights[start:start + n].tolist()):
                 w_by[(i, t)] = w_by.get((i, t), 0.0) + w
-            start += pos.numel()
+            start += n
+        assert float(s.loss_weights.sum()) == pytest.approx(float(s.tree.sample_weights.sum()), abs=1e-12)
     assert sorted(owned_all) == list(range(p.num_tokens))        # each token owned exactly once
     if padded and not tree:
         assert len({len(o) for o in owned_by}) == 1                # equal shares
@@ -148,6 +153,47 @@ def test_shards_partition_the_row_and_see_exactly_its_keys(seed, tree, c, padded
     assert w_by.keys() == full.keys() and all(w_by[k] == full[k] for k in full)
 
 
+@given(st.integers(0, 10**6), st.booleans(), st.integers(2, 4))
+def test_shard_logprobs_are_the_rows_logprobs_from_the_same_logits(seed, tree, c):
+    """The members' log-probs, each computed from the full row's logits at its own rows only,
+    are the unsharded row's per-sample log-probs entry for entry, bit for bit (a branch node's
+    logits score every child's first token on the member that owns the node)."""
+    from microplan.torch import token_logprobs
+    micro, toks, masks = _full_row(seed, tree)
+    p = pack_micro(micro, toks, loss_masks=masks)
+    logits = torch.randn(p.num_tokens, 9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    full = p.expand(token_logprobs(logits, p))
+    per_sample = dict(zip(p.sample_indices.tolist(), torch.split(full, list(p.real_lens))))
+    seen = {}
+    for q in range(c):
+        s = p.cp_shard(q, cp_size=c)
+        lp = s.expand(token_logprobs(logits[s.cp.rows], s))
+        for i, pos, part in zip(s.sample_indices.tolist(), s.cp.sample_positions, s.split(lp)):
+            assert torch.equal(part, per_sample[i][pos])
+            seen.update({(i, t): q for t in pos.tolist()})
+    assert len(seen) == sum(p.real_lens)                          # every entry scored by exactly one member
+
+
+def test_a_branch_node_scores_each_childs_first_token():
+    """A prompt of 6 tokens and three completions: the row of the prompt's last token scores the
+    first token of each completion, all on the member that owns that row."""
+    prompt = torch.arange(6)
+    toks = [torch.cat([prompt, torch.tensor([10 + k, 20 + k])]) for k in range(3)]
+    parent, shared = mp.find_shared_prefixes(toks)
+    plan = mp.plan(mp.Batch([8, 8, 8], prefix_parent=parent, shared_prefix_lens=shared),
+                   mp.PlanConfig(dp_size=1, max_tokens_per_micro=64, share_prefixes=True))
+    p = pack_micro(plan.steps[0].micros[0][0], toks)
+    branch = int(p.tree.sample_rows[0][5])                        # the prompt's last token, shared by all three
+    for q in range(2):
+        s = p.cp_shard(q, cp_size=2)
+        s.validate()
+        at = s.cp.rows[s.tree.flat_rows] == branch
+        targets = sorted(s.cp.target_ids[at & s.cp.predicted].tolist())
+        held = branch in s.cp.rows.tolist()
+        assert targets == ([10, 11, 12] if held else [])
+        assert s.num_tokens <= -(-p.num_tokens // 2)
+
+
 def _prev_rows(p) -> list[int]:
     """The row whose logits predict each row of an unsharded row (-1: none)."""
     from microplan.torch.loss import predecessor_index
@@ -155,17 +201,22 @@ def _prev_rows(p) -> list[int]:
 
 
 def test_a_shard_whose_layouts_have_equal_lengths_takes_per_sample_losses():
-    """Seed 4, c = 3, member 1: the shard holds as many row tokens as per-sample entries, in a
-    different order. Its losses are written in the per-sample layout (expand / pack_values), so
-    weighted_loss reads them so without per_sample=True (before: a PlanError asking for it)."""
+    """Seed 5, c = 2, member 1: the shard holds as many rows as per-sample entries, in a different
+    order. Its losses are written in the per-sample layout (token_logprobs / pack_values), so
+    weighted_loss reads them so without per_sample=True; per_sample=False is refused (its rows'
+    logits score the tokens after them: there is no loss per row)."""
     from microplan.torch import weighted_loss
-    micro, toks, masks = _full_row(4, True)
-    s = pack_micro(micro, toks, loss_masks=masks).cp_shard(1, cp_size=3)
+    micro, toks, masks = _full_row(5, True)
+    s = pack_micro(micro, toks, loss_masks=masks).cp_shard(1, cp_size=2)
     S = s.tree.sample_weights.numel()
     assert S == s.num_tokens and not s.tree.in_row_order
     ell = torch.arange(S, dtype=torch.float64) + 1.0
-    assert float(weighted_loss(ell, s)) == float(weighted_loss(ell, s, per_sample=True))
-    assert float(weighted_loss(ell, s)) != float(weighted_loss(ell, s, per_sample=False))
+    assert float(weighted_loss(ell, s)) == float(weighted_loss(ell, s, per_sample=True)) == \
+        float((ell * s.tree.sample_weights).sum())
+    with pytest.raises(mp.PlanError, match="per sample"):
+        weighted_loss(ell, s, per_sample=False)
+    with pytest.raises(mp.PlanError, match="per-sample layout"):
+        s.expand(torch.zeros(S + 1))
 
 
 def test_placeholder_and_tiny_rows_give_every_member_a_query():
@@ -223,7 +274,8 @@ def test_cp_gradients_and_objective_are_exact(gloo_results, case):
     assert max(widths) == c
     if kind.startswith("dynamic"):                                # slots mixing CP widths ran
         assert len(widths) > 1, widths
-    assert sum(out[case]["ran"]["halo_tokens"] for out in gloo_results) > 0  # predecessors crossed members
+    assert sum(out[case]["ran"]["crossed"] for out in gloo_results) > 0    # targets held by another member
+    assert all(out[case]["ran"]["max_rows_over_share"] <= 0 for out in gloo_results)  # ⌈U/c⌉ rows per GPU
 
 
 def test_members_owning_nothing_run_and_a_wrong_group_is_refused(gloo_results):

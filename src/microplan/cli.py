@@ -270,13 +270,12 @@ def _write_outputs(plan: Plan, args: argparse.Namespace) -> None:
 
 
 def _demo_config(args: argparse.Namespace, family: str) -> tuple[int, ContextParallel | None]:
-    """The demo's trace window and CP: long-context gets 8× the cap (less each GPU's 2 halo rows)
-    and the CP to hold it."""
+    """The demo's trace window and CP: long-context gets 8× the cap and the CP to hold it."""
     if family != "long-context":
         return args.max_tokens, None
     c = 8
     cp = ContextParallel(max_size=c) if args.dp >= c else ContextParallel(size=c)
-    return c * (args.max_tokens - 2), cp
+    return c * args.max_tokens, cp
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -20,9 +20,9 @@ Numpy only (the torch layer's ``PackedMicro.cp_shard`` uses this cut).
 
 Measured (``benchmarks/bench_tree_cp.py``): on every tree micro-batch of the long step-wise
 family (histories 16k–64k, up to 14 segments, 3 seeds) the per-member attention cost max/mean
-is ≤ 1.0002 at c = 2 and 4, owned tokens within one. Trade-off: per-segment chunks cost a halo
-token per chunk boundary (``torch/cp_shard.py``); one cut of the whole row would need fewer but
-could not balance attention cost across branches of different depths.
+is ≤ 1.0002 at c = 2 and 4, owned tokens within one. Per-segment chunks cost nothing extra:
+``torch/cp_shard.py`` scores each owned row's successors wherever they live, so a member
+computes only its ⌈U/c⌉ rows whatever the number of chunk boundaries.
 """
 
 from __future__ import annotations

@@ -49,11 +49,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .prefix import PrefixTree
 
 __all__ = ["LAYOUTS", "Layout", "Padding", "Footprint", "footprint_of", "padding_of", "packing_cap", "round_up",
-           "micro_footprint", "check_fits", "bin_footprint", "HALO_ROWS", "gpu_tokens", "halo_per_segment"]
-
-#: Rows a CP member computes beyond what it owns, per segment of the row (``torch/cp_shard.py``):
-#: the predecessor of each of its two zigzag chunks when another member owns it.
-HALO_ROWS = 2
+           "micro_footprint", "check_fits", "bin_footprint", "gpu_tokens"]
 
 LAYOUTS: tuple[str, ...] = ("varlen", "padded", "padded-2d")
 Layout = Literal["varlen", "padded", "padded-2d"]
@@ -258,43 +254,30 @@ def footprint_of(batch: Batch, config: PlanConfig) -> Footprint:
 def packing_cap(config: PlanConfig) -> int | None:
     """The cap an additive packer checks Σ sample_tokens against (None for static batching).
 
-    ``max_tokens_per_micro`` × static CP degree. With a row multiple r (varlen): ⌊cap/r⌋·r
-    without CP (⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r); under CP, c·cap − 2c − (r − 1): the row pad is
-    one more segment with halo rows, and ⌈S/r⌉·r ≤ S + r − 1 keeps the rounding from eating the
-    atoms' own halo room, which the packer adds (:func:`gpu_tokens`). Padded layouts pack with
-    the plain cap.
+    ``max_tokens_per_micro`` × static CP degree c (a GPU of the group computes ⌈U/c⌉ of a row of
+    U tokens, :func:`gpu_tokens`), lowered to ⌊c·cap/r⌋·r with a row multiple r in the varlen
+    layout (⌈S/r⌉·r ≤ c·cap ⟺ S ≤ ⌊c·cap/r⌋·r). Padded layouts pack with the plain c·cap.
     """
     if config.max_tokens_per_micro is None:
         return None
-    c = config.static_cp_size
-    cap = config.max_tokens_per_micro * c
+    cap = config.max_tokens_per_micro * config.static_cp_size
     r = config.pad_row_to_multiple_of
     if config.layout == "varlen" and r > 1:
-        # under CP the row pad is one more segment with halo rows, and rounding the row up to r must
-        # not eat the samples' halo room: ⌈S/r⌉·r ≤ S + r − 1 (then every GPU is within gpu_tokens)
-        cap = cap - halo_per_segment(c) - (r - 1) if c > 1 else cap // r * r
+        cap = cap // r * r
     return cap
 
 
-def gpu_tokens(row_tokens: Any, segments: Any, cp_size: Any) -> Any:
-    """Tokens one GPU of a CP group of ``cp_size`` computes for a row of ``row_tokens`` tokens in
-    ``segments`` segments (samples of a flat row, trie nodes of a tree row, plus the row's trailing
-    pad sequence): at most ⌈U/c⌉ owned rows (the zigzag cut, ``cp_cut.zigzag_owner``) plus
-    :data:`HALO_ROWS` halo rows per segment (``torch/cp_shard.py``); U itself when c = 1.
-    Ints or int arrays. This, not U/c, is what ``max_tokens_per_micro`` bounds under CP.
-
-    Packing form: ⌈U/c⌉ + 2·S ≤ cap ⟺ U + 2c·S ≤ c·cap (cap and S integers), so a packer that
-    counts :func:`halo_per_segment` extra row tokens per segment keeps every GPU under the cap.
+def gpu_tokens(row_tokens: Any, cp_size: Any) -> Any:
+    """Rows one GPU of a CP group of ``cp_size`` computes for a packed row of ``row_tokens`` tokens
+    (flat or tree, its padding included): ⌈U/c⌉, the most the zigzag cut gives a member
+    (``cp_cut.zigzag_owner``: counts differ by at most one), and all ``PackedMicro.cp_shard``
+    computes — each owned row's logits score the tokens after it, so no row is computed twice.
+    U itself when c = 1. Ints or int arrays. ⌈U/c⌉ ≤ cap ⟺ U ≤ c·cap: a group of c GPUs holds
+    c × ``max_tokens_per_micro`` tokens.
     """
     c = np.asarray(cp_size)
-    out = np.where(c > 1, -(-np.asarray(row_tokens) // np.maximum(c, 1)) + HALO_ROWS * np.asarray(segments),
-                   row_tokens)
+    out = -(-np.asarray(row_tokens) // np.maximum(c, 1))
     return int(out) if out.ndim == 0 else out
-
-
-def halo_per_segment(cp_size: int) -> int:
-    """Row tokens of packing room a segment's halos take in a CP group of ``cp_size`` (2c; 0 at c = 1)."""
-    return HALO_ROWS * cp_size if cp_size > 1 else 0
 
 
 def micro_footprint(fp: Footprint) -> Footprint | None:
@@ -315,26 +298,14 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
     cap = config.max_tokens_per_micro * width
     r = fp.padding.row_multiple
     alone = fp.sample_tokens if fp.padded or r == 1 else round_up(fp.sample_tokens, r)
-    base, halo = alone, None  # split over a group, a GPU also runs 2 halo rows per segment
-    if not fp.padded and width > 1:
-        if dyn:  # a sample is split only when it exceeds one GPU: its row and the row pad's segment
-            halo = halo_per_segment(width) * (1 + (fp.padding.row_multiple > 1)) * (alone > config.max_tokens_per_micro)
-        else:  # static CP: the packer's rule, the sample and its halo room under packing_cap
-            base, halo = fp.sample_tokens, np.full_like(alone, halo_per_segment(width))
-            cap = int(packing_cap(config))  # type: ignore[arg-type]
-    held = base if halo is None else base + halo
-    if held.size and int(held.max()) > cap:
-        j = int(np.argmax(held - cap))
-        full = config.max_tokens_per_micro * width
+    if alone.size and int(alone.max()) > cap:  # a group of c GPUs holds c × cap: ⌈row/c⌉ ≤ cap (gpu_tokens)
+        j = int(np.argmax(alone))
         where = f"max_tokens_per_micro={config.max_tokens_per_micro}" + \
-            (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {full}" if width > 1 else "") + \
-            (f", {cap} once the row pad's halo rows and the row multiple are taken off" if cap != full else "")
-        rows = "" if halo is None or not halo[j] else \
-            f" plus {int(halo[j])} halo rows over the CP group (2 per segment per GPU)"
+            (f" × {'ContextParallel.max_size' if dyn else 'cp size'} {width} = {cap}" if width > 1 else "")
         pad = "" if int(alone[j]) == int(fp.seq_lens[j]) else \
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
-        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}{rows}, more than one micro-batch may hold "
+        raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}, more than one micro-batch may hold "
                         f"({where}); raise max_tokens_per_micro, enable context_parallel, lower the padding "
                         "multiples, or truncate the sample.")
     _check_vision(fp, config)

@@ -77,14 +77,10 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
     if cfg.max_tokens_per_micro is not None:
         # what the GPU holds: the (validated) prefix trie, or the footprint re-derived from the batch
         held = 0 if not k else micro.tree.num_tokens if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[union-attr]
-        segs = 0 if not k else micro.tree.start.size if cfg.share_prefixes else k  # type: ignore[union-attr]
-        gpu = -(-held // micro.cp_size) if fp.padded else \
-            gpu_tokens(held, segs + (fp.padding.row_multiple > 1), micro.cp_size)
+        gpu = gpu_tokens(held, micro.cp_size)  # the fullest GPU of its CP group: ⌈held / cp_size⌉
         if gpu > cfg.max_tokens_per_micro:
             pad = "" if held == int(micro.seq_lens.sum()) else f" (padding included, layout={cfg.layout!r})"
-            halo = "" if micro.cp_size == 1 or fp.padded else \
-                f", {gpu} on its fullest GPU counting 2 halo rows per segment"
-            _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size}{halo} exceed the per-GPU cap "
+            _fail(f"{where}: {held} tokens{pad} over cp_size {micro.cp_size} exceed the per-GPU cap "
                   f"max_tokens_per_micro={cfg.max_tokens_per_micro}")
         vcap = cfg.max_vision_tokens_per_micro
         if vcap is not None and k and fp.vision(micro.indices) > vcap:
@@ -312,11 +308,7 @@ def _screen_micros(b: Batch, cfg: PlanConfig, s: int, flat: _Flat, fp: Footprint
     count = flat.size[:flat.limit]
     if cfg.max_tokens_per_micro is not None:
         if not cfg.share_prefixes:
-            held = fp.bin_tokens(safe, at, flat.limit)
-            if fp.padded:
-                bad |= held > size * cfg.max_tokens_per_micro
-            else:  # each GPU's owned rows plus 2 halo rows per segment (sample, row pad)
-                bad |= gpu_tokens(held, count + (fp.padding.row_multiple > 1), size) > cfg.max_tokens_per_micro
+            bad |= fp.bin_tokens(safe, at, flat.limit) > size * cfg.max_tokens_per_micro
         vcap = cfg.max_vision_tokens_per_micro
         if vcap is not None and fp.vision_tokens is not None:
             bad |= np.bincount(at, weights=fp.vision_tokens[safe], minlength=flat.limit) > vcap

@@ -11,7 +11,6 @@ Options are properties of this stage, so they compose:
   their branches (``trie.cut_trees``); tokens are unique trie tokens, each segment padded to
   ``pad_to_multiple_of``; attention is priced by each token's depth (``tree_costs``); vision
   tokens add up over the members (an image is never assumed shared);
-- static context parallel with sharing: a tree atom's packing room includes its halo rows (``halo_room``);
 - ``placement="local"``: trees are cut per owner rank, so an atom never spans two ranks (what a
   rank holds of a group shares what is local).
 
@@ -26,11 +25,10 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
-from ..footprint import halo_per_segment
-from ..trie import TreeCut, cut_trees, micro_trees, set_tries
+from ..trie import TreeCut, cut_trees, set_tries
 from .context import PlanContext
 
-__all__ = ["Atoms", "sample_atoms", "tree_atoms", "atom_segments", "halo_room"]
+__all__ = ["Atoms", "sample_atoms", "tree_atoms"]
 
 
 class Atoms(NamedTuple):
@@ -45,7 +43,6 @@ class Atoms(NamedTuple):
     owner: np.ndarray | None      # int64 rank of each atom (placement="local"), else None
     vision: np.ndarray | None     # int64 vision tokens (only when a vision cap applies), else None
     trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
-    segs: np.ndarray | None = None  # int64 row segments of each atom alone (under CP only; see atom_segments)
     one_each: bool = False        # known to hold one sample per atom (sample_atoms): ``single`` without the O(n) test
 
     @property
@@ -80,8 +77,7 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
                            multiple=fp.padding.sample_multiple).tokens
     ptr = np.arange(samples.size + 1, dtype=np.int64)
     return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples, ptr,
-                 None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes,
-                 atom_segments(samples, ptr, ctx.cfg.share_prefixes, ctx), True)
+                 None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes, True)
 
 
 def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
@@ -115,30 +111,7 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
     vis = None if ctx.vision_cap is None else \
         np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
     return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
-                 np.concatenate(owner) if owner else None, vis, True, atom_segments(members, ptr, True, ctx))
-
-
-def atom_segments(members: np.ndarray, ptr: np.ndarray, trees: bool, ctx: PlanContext) -> np.ndarray | None:
-    """Row segments of each atom alone: 1 per flat sample, its trie's segments for a tree atom.
-    Split over a CP group, a GPU computes 2 halo rows per segment (``footprint.gpu_tokens``); a
-    trie has one segment per owner (the sample whose tokens it holds), so the trie of a bin has at
-    most the sum of its atoms' segments. Computed only under context parallel with varlen rows
-    (None otherwise). Cost: one ``trie.micro_trees`` pass over tree atoms."""
-    if ctx.cfg.context_parallel is None or ctx.fp.padded:
-        return None
-    A = ptr.size - 1
-    if not trees:
-        return np.ones(A, dtype=np.int64)
-    atom_of = np.repeat(np.arange(A, dtype=np.int64), np.diff(ptr))
-    tries = micro_trees(ctx.parent, ctx.shared, ctx.batch.seq_lens, members, atom_of, A)
-    return np.fromiter((t.start.size for t in tries), dtype=np.int64, count=A)
-
-
-def halo_room(atoms: Atoms, ctx: PlanContext) -> np.ndarray | None:
-    """Row tokens each atom's halo rows take under static CP: 2c per segment (``atom_segments``),
-    so packing with this room keeps every GPU under the cap. None without static CP or padded."""
-    h = halo_per_segment(ctx.cfg.static_cp_size)
-    return None if not h or atoms.segs is None else h * atoms.segs
+                 np.concatenate(owner) if owner else None, vis, True)
 
 
 def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:

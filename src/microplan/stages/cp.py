@@ -45,7 +45,7 @@ from ..config import ContextParallel, PlanConfig
 from ..cost.cp import cp_micro_costs
 from ..cost.models import placeholder_cost
 from ..errors import PlanError
-from ..footprint import HALO_ROWS, Footprint, footprint_of, halo_per_segment, micro_footprint
+from ..footprint import Footprint, footprint_of, micro_footprint
 from ..types import Micro, Step
 from .assign import arrange, grid_time
 from .fit import fit_step, min_micro_count
@@ -89,17 +89,16 @@ def _merge_empty(long_w: list[int], unit: int, n_short: int, cmax: int) -> tuple
     return long_w, {w: c for w, c in empty.items() if c}
 
 
-def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray, cfg: PlanConfig, K: int,
+def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int,
          extra: tuple[np.ndarray, int] | None = None, need_only: bool = False) -> _Layout | None | str:
     """Layout with K slots; None if the packing fails (grow K), "short" if groups would be empty.
     ``extra``: (vision tokens, vision cap per micro-batch) every group keeps; ``need_only``: split
     no sample beyond its token need (no widening, short samples stay out of the long samples'
-    groups; only groups merged so none is empty take them); ``segs``: each unit's row segments
-    (halo room per segment in a split group, ``cp_units``)."""
+    groups; only groups merged so none is empty take them)."""
     D, cap = cfg.dp_size, int(group_room(1, cfg))
     cmax = cfg.context_parallel.max_size  # type: ignore[union-attr]
     if not need_only:
-        deg = balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg, segs)  # type: ignore[arg-type]
+        deg = balanced_degrees(lens, costs, deg, D * K, cap, cmax, cfg)  # type: ignore[arg-type]
     long = np.flatnonzero(deg > 1)
     short = np.flatnonzero(deg == 1)
     free = D * K - int(deg[long].sum())
@@ -114,8 +113,6 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray,
     tokens = np.zeros(nb, dtype=np.int64)
     load[: long.size] = per_gpu_cost(cfg, costs[long], lens[long], width[: long.size])
     tokens[: long.size] = lens[long]
-    per_seg = np.where(width > 1, HALO_ROWS * width, 0)  # a split group's halo rows per segment
-    tokens[: long.size] += segs[long] * per_seg[: long.size]
     inc = cp_increments(cfg, width)
     if inc is not None:  # every split group pays its fixed overhead, the empty ones too
         load[long.size:] += np.where(width[long.size:] > 1, cfg.cost.cp.split_overhead, 0.0)  # type: ignore[union-attr]
@@ -130,7 +127,7 @@ def _try(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray,
         if need_only:  # the long samples' groups are full
             room = np.where(np.arange(nb) < long.size, tokens, room)
         sb = lpt_pack_wide(lens[short], costs[short], width, cap, load=load, tokens=tokens, extra=ex, extra_load=x0,
-                           room=room, increments=inc, halo=(segs[short], per_seg))
+                           room=room, increments=inc)
         if sb is None:
             return None
         bin_of[short] = sb
@@ -178,41 +175,34 @@ def _min_slots(lens: np.ndarray, deg: np.ndarray, cfg: PlanConfig) -> int:
     return int(min_micro_count(_cdiv(gpu_slots, D), cfg))
 
 
-def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray, cfg: PlanConfig,
-                 allow_short: bool, extra: tuple[np.ndarray, int] | None = None,
-                 need_only: bool = False) -> tuple[_Layout, int] | None:
+def _layout_step(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, allow_short: bool,
+                 extra: tuple[np.ndarray, int] | None = None, need_only: bool = False) -> tuple[_Layout, int] | None:
     a, K = cfg.align, _min_slots(lens, deg, cfg)
     if extra is not None:  # the vision cap bounds K from below too
         K = max(K, int(min_micro_count(_cdiv(_cdiv(int(extra[0].sum()), extra[1]), cfg.dp_size), cfg)))
     while True:
-        got = _try(lens, costs, deg, segs, cfg, K, extra, need_only)
+        got = _try(lens, costs, deg, cfg, K, extra, need_only)
         if isinstance(got, _Layout):
             return got, K
         # "short": the greedy merge found no tiling without empty groups; the one-sample-per-group
         # layout is the exact test (it tiles with no placeholder whenever any layout can). No
-        # packing while every sample still has a group of its own: the merged groups were split
-        # ones without room for a short sample's halo rows (a 1-token sample on 2 GPUs at cap 3,
-        # r = 2); more slots would only add placeholders, so one group per sample is the layout.
+        # packing while every sample still has a group of its own: more slots would only add
+        # placeholders, so one group per sample is the layout.
         if got == "short" or (lens.size <= cfg.dp_size * K and int(deg.sum()) <= cfg.dp_size * K):
-            padded = _padded(lens, costs, deg, segs, cfg, K)
+            padded = _padded(lens, costs, deg, cfg, K)
             return (padded, K) if allow_short or not padded.placeholders else None
         K += a
 
 
-def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, segs: np.ndarray, cfg: PlanConfig,
-            K: int) -> _Layout:
-    """Too few samples for the plane: one group per sample (widest that fits, halo rows counted),
-    placeholders after."""
+def _padded(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, cfg: PlanConfig, K: int) -> _Layout:
+    """Too few samples for the plane: one group per sample (widest that fits), placeholders after."""
     D, cmax = cfg.dp_size, cfg.context_parallel.max_size  # type: ignore[union-attr]
     n = lens.size
     width = deg.copy()
-    r = cfg.pad_row_to_multiple_of
-    row, halo = -(-lens // r) * r, HALO_ROWS * (segs + (r > 1))
     while True:  # widen the costliest groups while GPUs are left
         spare = D * K - int(width.sum())
         now = per_gpu_cost(cfg, costs, lens, width)
-        room = -(-row // (2 * width)) + halo <= cfg.max_tokens_per_micro  # every GPU of the wider group fits
-        per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare)) & room
+        per_gpu = np.where((2 * width <= np.minimum(cmax, width + spare))
                            & (per_gpu_cost(cfg, costs, lens, 2 * width) < now), now, -1.0)
         if spare <= 0 or per_gpu.max() < 0:
             break
@@ -238,12 +228,12 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     D = cfg.dp_size
     fp = footprint_of(batch, cfg) if fp is None else fp
     units = sample_units(samples, batch, costs, fp, cfg) if units is None else units
-    lens, c, segs = units.lens, units.costs, units.segs
+    lens, c = units.lens, units.costs
     vcap = cfg.max_vision_tokens_per_micro
     extra = (units.vision, vcap) if vcap is not None and units.vision is not None else None
-    deg = cp_degrees(lens, units.label, cfg, segs)
+    deg = cp_degrees(lens, units.label, cfg)
     keep = np.arange(lens.size)
-    got = _layout_step(lens, c, deg, segs, cfg, allow_short=cfg.short_step == "pad", extra=extra)
+    got = _layout_step(lens, c, deg, cfg, allow_short=cfg.short_step == "pad", extra=extra)
     if got is None and cfg.short_step == "drop":
         got, keep = _drop(units, c, deg, cfg, lens, extra)
     if got is None:
@@ -255,7 +245,7 @@ def plan_dynamic_cp_step(s: int, samples: np.ndarray, batch: Batch, costs: np.nd
     coef = loss_coefficients(cfg.loss, batch.loss_tokens[kept], batch.prompt_codes[kept], batch.rollout_codes[kept])
     best = _mixed_grid(layout, K, binner, coef, cfg, fp)
     if getattr(cfg.cost, "cp", None) is not None:  # priced CP: also split no sample beyond its need
-        alt = _layout_step(lens[keep], c[keep], deg[keep], segs[keep], cfg, allow_short=cfg.short_step == "pad", extra=None
+        alt = _layout_step(lens[keep], c[keep], deg[keep], cfg, allow_short=cfg.short_step == "pad", extra=None
                            if extra is None else (extra[0][keep], extra[1]), need_only=True)
         cand = None if alt is None else _mixed_grid(alt[0], alt[1], binner, coef, cfg, fp)
         if cand is not None and cand.time < best.time * (1 - 1e-9):
@@ -337,7 +327,7 @@ def _uniform_grid(w: int, units: CPUnits, keep: np.ndarray, binner: Binner, coef
     """
     D = cfg.dp_size
     sub = replace(cfg, dp_size=D // w, context_parallel=ContextParallel(size=w), short_step="pad")
-    lens = units.lens[keep] + halo_per_segment(w) * units.segs[keep]  # each unit's halo rows
+    lens = units.lens[keep]
     vcap = cfg.max_vision_tokens_per_micro
     if units.atoms is None:
         view = step_layout(micro_footprint(fp), units.label[keep], sub)
@@ -424,7 +414,7 @@ def _drop(units: CPUnits, c: np.ndarray, deg: np.ndarray, cfg: PlanConfig, lens:
     uniq = np.unique(codes)
     for keep_r in range(uniq.size - 1, 0, -1):
         pos = np.flatnonzero(codes < uniq[keep_r])
-        got = _layout_step(lens[pos], c[pos], deg[pos], units.segs[pos], cfg, allow_short=False,
+        got = _layout_step(lens[pos], c[pos], deg[pos], cfg, allow_short=False,
                            extra=None if extra is None else (extra[0][pos], extra[1]))
         if got is not None:
             return got, pos

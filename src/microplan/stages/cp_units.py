@@ -3,12 +3,11 @@
 Design note. ``stages/cp.py`` chooses CP widths and packs *units* into CP groups; this module
 says what a unit is and turns a bin of every unit back into micro-batches:
 
-- flat rows: one unit per sample (its padded length, additive cost, rollout; one segment);
+- flat rows: one unit per sample (its padded length, additive cost, rollout);
 - tree rows (``share_prefixes``): one unit per atom of ``stages/atoms.py`` (a tree or a tree
-  part; its unique trie tokens, tree cost, component code) and its trie's segment count.
-A GPU of a group of w > 1 computes 2 halo rows per segment beyond ⌈U/w⌉ of the row
-(``footprint.gpu_tokens``): the packer gives a unit 2w tokens of room per segment, and a trie
-has one segment per owner, so a bin's segments are at most the sum of its units'.
+  part; its unique trie tokens, tree cost, component code).
+A GPU of a group of w computes ⌈U/w⌉ rows of the group's row of U tokens
+(``footprint.gpu_tokens``), so a group holds w × cap tokens.
 
 :class:`Binner` maps a bin of each kept unit to each bin's cost and footprint (``fp.bin_costs``,
 or ``footprint.bin_footprint`` of the union trie) and to Micro columns (ascending samples, or
@@ -36,7 +35,6 @@ class CPUnits(NamedTuple):
 
     lens: np.ndarray             # int64 tokens a unit occupies alone (padding included)
     costs: np.ndarray            # float64 additive cost
-    segs: np.ndarray             # int64 row segments (1 per flat sample, trie segments of a tree atom)
     label: np.ndarray            # int64 a member sample, named in refusals
     rollouts: np.ndarray         # int64 drop unit code
     vision: np.ndarray | None    # int64 vision tokens, None without a vision cap
@@ -46,14 +44,12 @@ class CPUnits(NamedTuple):
 def sample_units(samples: np.ndarray, batch: Batch, costs: np.ndarray, fp: Footprint, cfg: PlanConfig) -> CPUnits:
     vis = fp.vision_tokens[samples] if cfg.max_vision_tokens_per_micro is not None and fp.vision_tokens is not None \
         else None
-    return CPUnits(fp.sample_tokens[samples], costs[samples], np.ones(samples.size, dtype=np.int64), samples,
-                   batch.rollout_codes[samples], vis, None)
+    return CPUnits(fp.sample_tokens[samples], costs[samples], samples, batch.rollout_codes[samples], vis, None)
 
 
 def atom_units(atoms: Atoms) -> CPUnits:
-    """Tree atoms as units; their segments come with them (``atoms.atom_segments``: the config has CP)."""
-    assert atoms.segs is not None  # atom_segments is set whenever context_parallel is
-    return CPUnits(atoms.tokens, atoms.costs, atoms.segs, atoms.label, atoms.rollouts, atoms.vision, atoms)
+    """Tree atoms as units."""
+    return CPUnits(atoms.tokens, atoms.costs, atoms.label, atoms.rollouts, atoms.vision, atoms)
 
 
 class Binner:

@@ -21,9 +21,9 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import PlanError
-from ..footprint import halo_per_segment
 from .atoms import Atoms, sample_atoms, tree_atoms
 from .cp import DynamicCPStep, plan_dynamic_cp_step
+from .cp_degrees import group_room
 from .cp_units import atom_units
 from .context import PlanContext
 from .fit import effective_cap
@@ -43,22 +43,17 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     errors: list[PlanError] = []
 
     def attempt(a: Atoms) -> Layout | None:
-        """A candidate, or None when its atoms cannot be packed (a lone tree part whose halo rows
-        under CP take it over the cap)."""
+        """A candidate, or None when its atoms cannot be packed."""
         try:
             return lay_out(s, a, ctx, short_step="pad")
         except PlanError as exc:
             errors.append(exc)
             return None
 
-    halo = halo_per_segment(ctx.cfg.static_cp_size)
-    atoms = [_fitting_trees(samples, ctx, cap, cap, halo)]
+    atoms = [tree_atoms(samples, ctx, cap)]
     per_sample = sample_atoms(samples, ctx)
     first = attempt(atoms[0]) or attempt(per_sample)
     if first is None:
-        if ctx.cfg.static_cp_size > 1:
-            raise PlanError(f"{errors[-1]} Under context_parallel with share_prefixes the tokens counted include the "
-                            "row's halo rows: 2 per trie segment per GPU of the CP group (footprint.gpu_tokens).")
         raise errors[-1]
     cands = [first]
     mean = float(first.bin_tokens.sum()) / max(first.bin_tokens.size, 1)
@@ -67,7 +62,7 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
             tried.add(limit)
-            atoms.append(_fitting_trees(samples, ctx, limit, cap, halo))
+            atoms.append(tree_atoms(samples, ctx, limit))
             cands.append(attempt(atoms[-1]))  # type: ignore[arg-type]
     atoms.append(per_sample)
     if first.atoms is not per_sample:
@@ -95,32 +90,16 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     return best
 
 
-def _fitting_trees(samples: np.ndarray, ctx: PlanContext, limit: int, room: int, per_seg: int) -> Atoms:
-    """Tree atoms of at most ``limit`` trie tokens that fit ``room`` with ``per_seg`` tokens of
-    halo room per trie segment (CP; 0 without): the limit drops by the excess until every atom fits."""
-    for _ in range(8):
-        atoms = tree_atoms(samples, ctx, limit)
-        if not per_seg or atoms.segs is None:
-            return atoms
-        excess = atoms.tokens + per_seg * atoms.segs - room
-        if not (excess > 0).any() or limit <= 1:
-            return atoms
-        limit = max(1, min(limit, int(atoms.tokens[excess > 0].max())) - int(excess.max()))
-    return atoms
-
-
 def best_dynamic_cp(s: int, samples: np.ndarray, ctx: PlanContext) -> DynamicCPStep:
     """``share_prefixes`` × ``ContextParallel(max_size=c)``: the step packed by ``stages/cp.py`` as
-    whole trees (cut only where a tree fits no group of c GPUs, halo rows counted) and as one
+    whole trees (cut only where a tree fits no group of c GPUs) and as one
     atom per sample (each micro-batch's samples still share their trie); the candidate dropping
     the fewest samples, then with the least predicted time, is kept."""
     cfg, b = ctx.cfg, ctx.batch
     forest = (ctx.parent, ctx.shared)
-    cmax, cap = int(cfg.context_parallel.max_size), int(cfg.max_tokens_per_micro)  # type: ignore[union-attr,arg-type]
-    r, per_seg = cfg.pad_row_to_multiple_of, halo_per_segment(cmax)
-    room = cmax * cap - (per_seg + r - 1 if r > 1 else 0)  # a widest group: the row pad's halos, rounding to r
+    cmax = int(cfg.context_parallel.max_size)  # type: ignore[union-attr]
     cands, errors = [], []
-    whole = _fitting_trees(samples, ctx, cmax * cap, room, per_seg)  # each part fits a group of cmax GPUs
+    whole = tree_atoms(samples, ctx, int(group_room(cmax, cfg)))  # each part fits a group of cmax GPUs
     for u in (atom_units(whole), atom_units(sample_atoms(samples, ctx))):
         try:
             cands.append(plan_dynamic_cp_step(s, samples, b, ctx.costs, cfg, ctx.fp, units=u, forest=forest))

@@ -57,7 +57,6 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
                   extra: Extra | None = None, extra_load: np.ndarray | None = None,
                   room: np.ndarray | None = None,
                   increments: tuple[np.ndarray, np.ndarray] | None = None,
-                  halo: tuple[np.ndarray, np.ndarray] | None = None,
                   order: np.ndarray | None = None) -> np.ndarray | None:
     """LPT into bins of GPU ``width`` (capacity width·cap, per-GPU load Σ cost / width).
 
@@ -68,8 +67,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     (not scaled by width), ``extra_load`` its starting load per bin; ``room``: each bin's token
     capacity when it is not width·cap (a row multiple); ``increments``: (per cost, per token), the
     per-GPU load a sample adds to each bin (a priced CP group, ``stages/cp.py``) instead of
-    cost / width; ``halo``: (segments per sample, tokens per segment per bin), room a sample takes
-    in a bin beyond its tokens (a CP group's halo rows, ``footprint.gpu_tokens``); ``order``: the
+    cost / width; ``order``: the
     placement order when the caller has it, ``stable_argsort_via(costs, seq_lens, descending=True)``.
     Returns the bin of each sample, or None if one fits nowhere.
     """
@@ -85,11 +83,6 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
     tok_w = None if increments is None else increments[1]
     unit = increments is None and bool((width == 1).all())  # x · 1.0 + 0.0 == x: the scaling is skipped
     cs, ts = costs[order], seq_lens[order]  # in placement order: a round's chunk is a slice, not a gather
-    if halo is None:
-        segs = per_seg = ss = None
-    else:
-        segs, per_seg = halo
-        ss = segs[order]
     lim = cap if room is None and cap is not None and bool((width == 1).all()) else None  # one room for every bin
     bin_of = np.empty(n, dtype=np.int64)
     pos = 0
@@ -106,18 +99,17 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
         k = int(ok_prefix.argmin())  # the first bin a one-at-a-time LPT might not reach
         c = size if ok_prefix[k] else max(k, 1)
         chunk, bins, cc, tc = order[pos:pos + c], top[:c], cc[:c], ts[pos:pos + c]
-        use = tc if halo is None else tc + ss[pos:pos + c] * per_seg[bins]  # type: ignore[index]  # plus halo room
-        held = load_t[bins] + use
+        held = load_t[bins] + tc
         fits = None if room_t is None else held <= (lim if lim is not None else room_t[bins])
         if ex is not None:
             xc = ex[chunk]
             fits = (load_x[bins] + xc <= ex_cap) if fits is None else fits & (load_x[bins] + xc <= ex_cap)
         if fits is not None and np.count_nonzero(fits) < c:  # (cheaper than fits.all()'s reduction)
-            chunk, bins, cc, tc, use, rest = chunk[fits], bins[fits], cc[fits], tc[fits], use[fits], chunk[~fits]
+            chunk, bins, cc, tc, rest = chunk[fits], bins[fits], cc[fits], tc[fits], chunk[~fits]
             xc = None if ex is None else xc[fits]
             bin_of[chunk] = bins
             load_c[bins] += cc if unit else cc * inv_w[bins] + (0.0 if tok_w is None else tc * tok_w[bins])
-            load_t[bins] += use
+            load_t[bins] += tc
         else:  # the whole chunk fits: the loads gathered above are the bins' loads
             rest = chunk[:0]
             bin_of[chunk] = bins
@@ -127,8 +119,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
         if ex is not None:
             load_x[bins] += xc
         for s in rest:
-            need = seq_lens[s] if halo is None else seq_lens[s] + segs[s] * per_seg  # type: ignore[index]
-            room_s = np.ones(B, dtype=bool) if room_t is None else load_t + need <= room_t
+            room_s = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] <= room_t
             if ex is not None:
                 room_s &= load_x + ex[s] <= ex_cap
             if not room_s.any():
@@ -136,7 +127,7 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             b = int(np.argmin(np.where(room_s, load_c, np.inf)))
             bin_of[s] = b
             load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
-            load_t[b] += seq_lens[s] + (0 if halo is None else segs[s] * per_seg[b])  # type: ignore[index]
+            load_t[b] += seq_lens[s]
             if ex is not None:
                 load_x[b] += ex[s]
         pos += c

@@ -6,9 +6,7 @@ parts) and wherever they may go:
 1. placement: ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
    slot-target packing, ``short_step``); ``local`` packs each owner rank's atoms into its own K
    bins with one K for every rank (``local.fit_local``). Both see the same atom arrays and the
-   same layout view (a vision cap every packer keeps; a padded layout's row geometry). Under
-   static CP an atom also takes its halo rows' room (``atoms.halo_room``), so every GPU of a
-   group stays under the cap;
+   same layout view (a vision cap every packer keeps; a padded layout's row geometry);
 2. bins: the footprint of each bin (``footprint.bin_footprint``: padded samples, or the union
    trie of its samples — two parts of one tree in one bin share their root path again) and its
    cost, from the one footprint function the cap, ``validate`` and the stats use;
@@ -32,7 +30,7 @@ from ..cost.models import placeholder_cost
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
-from .atoms import Atoms, halo_room
+from .atoms import Atoms
 from .context import PlanContext
 from .fit import fit_step
 from .layout import StepLayout, step_layout
@@ -89,17 +87,15 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     D = cfg.dp_size
     policy = cfg.short_step if short_step is None else short_step
     view = _view(atoms, ctx)
-    halo = halo_room(atoms, ctx)
-    lens = atoms.tokens if halo is None else atoms.tokens + halo
     run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
     slots = None  # the fit's costs and grid of its packing, when it arranged them
     fixed = False  # local placement: the fit's bin r·K + m is slot m
     if ctx.local:
-        fit = fit_local(s, atoms.label, lens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
+        fit = fit_local(s, atoms.label, atoms.tokens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
                         ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
         kept, bin_of, K, choice, fixed = fit.kept, fit.bin_of, fit.K, fit.choice, fit.hedged
     else:
-        f = fit_step(s, atoms.label, lens, atoms.costs, atoms.rollouts, run_cfg, view)
+        f = fit_step(s, atoms.label, atoms.tokens, atoms.costs, atoms.rollouts, run_cfg, view)
         kept, bin_of, K, choice, slots = f.kept, f.bin_of, f.micro_count, f.choice, f.slots
     if kept.size == atoms.size:  # distinct atom positions, all of them: nothing dropped
         dropped = np.zeros(0, dtype=np.int64)

@@ -19,7 +19,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import PlanError
-from .loss import _tokens_first, predecessor_index
+from .loss import _tokens_first, prediction_table
 from .packing import PackedMicro
 from .padded import PaddedMicro
 
@@ -57,8 +57,9 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, packed: P
 
     Entry t is 0 where t starts a sample. Token t is predicted by the hidden state of its
     predecessor (:func:`~microplan.torch.loss.predecessor_index`: t − 1, or the parent segment's
-    last token in a prefix-shared row), as in :func:`token_logprobs`. Differentiable (slices
-    recomputed in backward).
+    last token in a prefix-shared row), as in :func:`token_logprobs`; a CP shard gives its
+    per-sample layout ``[S]`` as :func:`token_logprobs` does. Differentiable (slices recomputed
+    in backward).
     """
     if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
         raise PlanError(f"chunk_tokens={chunk_tokens!r} must be an int >= 1 (rows of logits computed at once).")
@@ -70,15 +71,13 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, packed: P
         raise PlanError(f"weight has shape {tuple(weight.shape)}; the LM head weight must be [V, H] with "
                         f"H={h.shape[1]} (the hidden size).")
     out_dtype = dtype or torch.promote_types(h.dtype, torch.float32)
-    ids = packed.input_ids.to(h.device)
-    prev = predecessor_index(packed, h.device)
-    src = prev.clamp(min=0)
-    T = h.shape[0]
+    src, ids, ok = prediction_table(packed, h.device)
+    T = src.shape[0]
     parts = []
     track = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    for lo in range(0, T, chunk_tokens):
+    for lo in range(0, max(T, 1), chunk_tokens):  # an empty table (a shard scoring nothing): one empty slice
         hi = min(lo + chunk_tokens, T)
         args = (h, src[lo:hi], weight, bias, ids[lo:hi], out_dtype, temperature)
         parts.append(checkpoint(_slice_logprobs, *args, use_reentrant=False) if track else _slice_logprobs(*args))
     lp = torch.cat(parts)
-    return torch.where(prev >= 0, lp, torch.zeros_like(lp))
+    return torch.where(ok, lp, torch.zeros_like(lp))

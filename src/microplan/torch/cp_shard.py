@@ -3,29 +3,37 @@
 Design note. Every member of a CP group packs the same micro-batch (flat or prefix tree), then
 keeps its share. :func:`cp_shard` derives it on the host:
 
-1. **owned rows**: the zigzag cut of every segment (:func:`microplan.cp_cut.zigzag_owner`);
-   their keys and values are what this member contributes to the group's all-gather, and their
-   loss is what it backwards;
-2. **halo rows**: the predecessor of an owned token that another member owns — the last token
-   of the previous chunk, or of the parent segment for a tree branch — is computed here too
-   (one extra query token per chunk boundary, weight 0, keys and values not contributed), so
-   :func:`~microplan.torch.token_logprobs` finds every owned token's logits locally and no
-   logits cross members. A member owning nothing (a placeholder, a row shorter than c) runs one
-   halo of row 0, so every member runs the model and its collectives;
+1. **rows**: the member's owned rows, the zigzag cut of every segment
+   (:func:`microplan.cp_cut.zigzag_owner`), and nothing else. Their keys and values are what it
+   contributes to the group's all-gather; the cut gives every member ⌈U/c⌉ or ⌊U/c⌋ of the U
+   rows, so that is all a GPU computes (``footprint.gpu_tokens``). A member owning nothing (a
+   placeholder, a row shorter than c) runs one dummy row (row 0, contributing nothing, scoring
+   nothing), so every member runs the model and its collectives;
+2. **targets**: the labels are shifted before the cut. The logits at row r predict the tokens
+   that follow r on its paths — the next token of its sample, or, at the end of a tree segment,
+   the first token of each child segment — so the member owning r scores them: every
+   per-sample entry (sample i, position t ≥ 1) belongs to the owner of its predecessor's row,
+   with that row as its logit row (``tree.flat_rows``), the token at t as its target
+   (``cp.target_ids``) and its label-aligned weight; position 0 (no prediction, weight 0) to the
+   owner of its own row. A branch node thus scores each child's first token from one row of
+   logits, exactly as :func:`~microplan.torch.token_logprobs` gathers a tree row's logits
+   through ``prev_index``, so no row is ever computed twice;
 3. **pieces**: runs of local rows that are consecutive in one segment. Piece ``[a, b]`` of
    segment k attends, causally aligned bottom-right, to the path of k up to row b: its key
    rows, as slots of the gathered buffer (member m's i-th owned row sits at slot m·w + i, w the
    largest member's count), are ``tree.key_index`` — the table of a tree row, so the attention
    of ``register_attention()`` and flash-attn's varlen kernel run a shard as they run a tree;
-4. **loss side**: ``loss_weights`` are the full row's on owned rows, 0 on halos; the per-sample
-   layout holds, sample after sample, the owned tokens of each sample in position order
-   (``tree.sample_rows``/``sample_weights``, ``cp.sample_positions`` for ``pack_values``).
+4. **loss side**: the shard's loss is written in its per-sample layout: sample after sample,
+   the entries it scores in position order (``cp.sample_positions``; ``pack_values`` packs
+   per-sample values into it, ``token_logprobs`` returns it, ``weighted_loss`` weighs it with
+   ``tree.sample_weights``). ``loss_weights`` is its row-level reduction: row r carries the
+   summed weights of the entries its logits score (logit aligned).
 
-Guarantees: over the c shards every token of the row is owned once, so the members' losses add
-up to the row's ``Σ w·ℓ`` term by term, and each owned query sees exactly the keys it sees in
-the unsharded row (tests/test_cp_attention.py checks both, and J and ∇J on gloo). Host work
-O(U + Σ key entries) per shard. Trade-off: halos cost ≤ 2 tokens per segment per member —
-nothing on long rows, up to half the work on a row of 4-token samples at c = 4.
+Guarantees: over the c shards every row is owned once and every per-sample entry scored once,
+from the logits of the same row as in the unsharded row, so the members' losses add up to the
+row's ``Σ w·ℓ`` term by term, and each owned query sees exactly the keys it sees in the
+unsharded row (tests/test_cp_attention.py checks both, and J and ∇J on gloo). A member runs at
+most ⌈U/c⌉ rows. Host work O(U + Σ L + Σ key entries) per shard.
 """
 
 from __future__ import annotations
@@ -48,19 +56,23 @@ __all__ = ["CPLayout", "cp_shard"]
 
 @dataclass(frozen=True, eq=False)
 class CPLayout:
-    """What a CP shard's attention needs to gather keys and values (``PackedMicro.cp``).
+    """What a CP shard's attention and loss need beyond a tree row (``PackedMicro.cp``).
 
     Attributes:
         cp_rank, cp_size: this member and the group's size.
-        rows: ``[T_local]`` int64 rows of the full row this shard computes (owned and halo, ascending).
+        rows: ``[T_local]`` int64 rows of the full row this shard computes (its owned rows, ascending;
+            row 0 alone for a member owning nothing).
         own_index: ``[n_own]`` int64 local indices of the owned rows (their K/V go to the gather).
         counts: host tuple, owned rows per member; ``width`` = max(counts) rows per member slot.
         num_rows: U, the full row's length.
-        sample_positions: per sample, ``[k_i]`` int64 positions (in the sample) of its owned tokens.
+        sample_positions: per sample, ``[k_i]`` int64 positions (in the sample) of the entries this
+            member scores (module note, 2).
         full_lens: per sample, its full length (what ``pack_values`` checks values against).
+        target_ids: ``[S]`` int64 the token each per-sample entry scores (its label).
+        predicted: ``[S]`` bool, False at a sample's position 0 (no prediction: log-prob 0).
 
-    ``to(device)`` moves ``own_index`` (the attention reads it); ``rows`` and
-    ``sample_positions`` are host bookkeeping and stay on the host.
+    ``to(device)`` moves ``own_index``, ``target_ids`` and ``predicted`` (the attention and
+    the loss read them); ``rows`` and ``sample_positions`` are host bookkeeping.
     """
 
     cp_rank: int
@@ -72,15 +84,17 @@ class CPLayout:
     num_rows: int
     sample_positions: tuple[torch.Tensor, ...]
     full_lens: tuple[int, ...]
+    target_ids: torch.Tensor
+    predicted: torch.Tensor
 
     def to(self, device: torch.device | str, *, non_blocking: bool = False) -> CPLayout:
-        return replace(self, own_index=self.own_index.to(device, non_blocking=non_blocking))
+        mv = lambda t: t.to(device, non_blocking=non_blocking)  # noqa: E731
+        return replace(self, own_index=mv(self.own_index), target_ids=mv(self.target_ids),
+                       predicted=mv(self.predicted))
 
 
-def _row_structure(p: PackedMicro) -> tuple[np.ndarray, list[np.ndarray], list[np.ndarray]]:
-    """(predecessor row of every token, each segment's path rows, each sample's rows) of a full row."""
-    from .loss import predecessor_index
-    prev = predecessor_index(p, "cpu").numpy()
+def _row_structure(p: PackedMicro) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(each segment's path rows, each sample's rows in position order) of a full row."""
     off = np.concatenate([[0], np.cumsum(p.seq_lens)]).astype(np.int64)
     if p.tree is not None:
         ki, cu = p.tree.key_index.cpu().numpy(), p.tree.cu_seqlens_k.cpu().numpy().astype(np.int64)
@@ -89,15 +103,47 @@ def _row_structure(p: PackedMicro) -> tuple[np.ndarray, list[np.ndarray], list[n
     else:
         paths = [np.arange(off[k], off[k + 1]) for k in range(len(p.seq_lens))]
         samples = [np.arange(off[j], off[j] + n) for j, n in enumerate(p.real_lens)] if not p.is_placeholder else []
-    return prev, paths, samples
+    return paths, samples
 
 
 def _sample_weights(p: PackedMicro, samples: list[np.ndarray]) -> list[torch.Tensor]:
-    """Each sample's label-aligned weights over its own tokens, in the full row."""
+    """Each sample's label-aligned weights over its own tokens, in the full row (float64 when
+    the plan's weights are, else the row's dtype)."""
     if p.tree is not None:
         return list(torch.split(p.tree.sample_weights.cpu(), [s.size for s in samples]))
     w = p.loss_weights.cpu()
     return [w[torch.from_numpy(s)] for s in samples]
+
+
+def _pieces(rows: np.ndarray, seg_lens: tuple[int, ...], paths: list[np.ndarray],
+            slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], list[int]]:
+    """(piece starts, piece ends, key slots per piece, cu of the keys): runs of local rows
+    consecutive in one segment, each attending to its segment's path up to its last row."""
+    off = np.concatenate([[0], np.cumsum(seg_lens)]).astype(np.int64)
+    seg = np.searchsorted(off, rows, side="right") - 1
+    brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(seg) != 0)) + 1
+    starts, ends = np.concatenate([[0], brk]), np.concatenate([brk, [rows.size]])
+    keys, cu_k = [], [0]
+    for a, b in zip(starts.tolist(), ends.tolist()):
+        k, last = int(seg[a]), int(rows[b - 1])
+        path = paths[k]
+        keys.append(slot[path[: path.size - (int(off[k + 1]) - 1 - last)]])
+        cu_k.append(cu_k[-1] + keys[-1].size)
+    return starts, ends, keys, cu_k
+
+
+def _targets(p: PackedMicro, samples: list[np.ndarray], owner: np.ndarray, local: np.ndarray,
+             cp_rank: int) -> tuple[list[torch.Tensor], ...]:
+    """Per sample, the entries this member scores (module note, 2): (local logit rows, positions
+    in the sample, weights, full-row rows of the target tokens)."""
+    out: tuple[list[torch.Tensor], ...] = ([], [], [], [])
+    for s, w in zip(samples, _sample_weights(p, samples)):
+        logit = np.concatenate([s[:1], s[:-1]])  # the row whose logits score position t (t = 0: its own row)
+        keep = np.flatnonzero(owner[logit] == cp_rank)
+        k = torch.from_numpy(keep.astype(np.int64))
+        for acc, v in zip(out, (torch.from_numpy(local[logit[keep]]), k, w[k], torch.from_numpy(s[keep]))):
+            acc.append(v)
+    return out
 
 
 def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> PackedMicro:
@@ -112,14 +158,12 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
                         "micro.cp_rank (dynamic CP) or this process's position in its CP group (fixed CP).")
     if c == 1:
         return p
+    from .loss import predecessor_index
     U = p.num_tokens
     owner = zigzag_owner(np.asarray(p.seq_lens, dtype=np.int64), c)
-    prev, paths, samples = _row_structure(p)
+    paths, samples = _row_structure(p)
     owned = np.flatnonzero(owner == cp_rank)
-    pr = prev[owned]
-    halo = pr[(pr >= 0) & (owner[np.maximum(pr, 0)] != cp_rank)]
-    rows = np.union1d(owned, halo) if owned.size else np.zeros(1, dtype=np.int64)
-    is_own = owner[rows] == cp_rank
+    rows = owned if owned.size else np.zeros(1, dtype=np.int64)  # owning nothing: one dummy row, no keys, no loss
     local = np.full(U, -1, dtype=np.int64)
     local[rows] = np.arange(rows.size)
     counts = np.bincount(owner, minlength=c)
@@ -128,49 +172,36 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
     for m in range(c):
         mine = np.flatnonzero(owner == m)
         slot[mine] = m * width + np.arange(mine.size)
-    # pieces: runs of local rows consecutive in one segment; keys = the segment's path up to the piece's end
-    off = np.concatenate([[0], np.cumsum(p.seq_lens)]).astype(np.int64)
-    seg = np.searchsorted(off, rows, side="right") - 1
-    brk = np.flatnonzero((np.diff(rows) != 1) | (np.diff(seg) != 0)) + 1
-    starts, ends = np.concatenate([[0], brk]), np.concatenate([brk, [rows.size]])
-    keys, cu_k = [], [0]
-    for a, b in zip(starts.tolist(), ends.tolist()):
-        k, last = int(seg[a]), int(rows[b - 1])
-        path = paths[k]
-        keys.append(slot[path[: path.size - (int(off[k + 1]) - 1 - last)]])
-        cu_k.append(cu_k[-1] + keys[-1].size)
-    prev_local = np.where(is_own & (prev[rows] >= 0), local[np.maximum(prev[rows], 0)], -1)
-    t_rows = torch.from_numpy(rows)
-    own_t = torch.from_numpy(is_own)
-    s_rows, s_pos, s_w = [], [], []
-    for s, w in zip(samples, _sample_weights(p, samples)):
-        keep = np.flatnonzero(owner[s] == cp_rank)
-        s_rows.append(torch.from_numpy(local[s[keep]]))
-        s_pos.append(torch.from_numpy(keep.astype(np.int64)))
-        s_w.append(w[torch.from_numpy(keep)])
-    flat = torch.cat(s_rows) if s_rows else torch.zeros(0, dtype=torch.int64)
+    starts, ends, keys, cu_k = _pieces(rows, p.seq_lens, paths, slot)
+    prev = predecessor_index(p, "cpu").numpy()[rows]
+    prev_local = np.where(prev >= 0, local[np.maximum(prev, 0)], -1)  # the predecessor's local row, where held here
+    s_rows, s_pos, s_w, s_tgt = _targets(p, samples, owner, local, cp_rank)
     wdt = p.loss_weights.dtype
+    cat = lambda xs, dt: torch.cat(xs) if xs else torch.zeros(0, dtype=dt)  # noqa: E731
+    flat, tgt, w64 = cat(s_rows, torch.int64), cat(s_tgt, torch.int64), cat(s_w, wdt).to(torch.float64)
+    predicted = cat(s_pos, torch.int64) > 0
     tree = TreeLayout(
         prev_index=torch.from_numpy(prev_local), key_index=torch.from_numpy(np.concatenate(keys)),
         cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), max_seqlen_k=int(max(np.diff(cu_k))),
-        sample_rows=tuple(s_rows), sample_weights=torch.cat(s_w).to(wdt) if s_w else torch.zeros(0, dtype=wdt),
-        flat_rows=flat, in_row_order=bool(flat.numel() == rows.size and torch.equal(flat, torch.arange(rows.size))))
-    full_lens = tuple(int(s.size) for s in samples)
-    cp = CPLayout(cp_rank=cp_rank, cp_size=c, rows=t_rows, own_index=torch.from_numpy(np.flatnonzero(is_own)),
-                  counts=tuple(int(x) for x in counts), width=width, num_rows=U, sample_positions=tuple(s_pos),
-                  full_lens=full_lens)
+        sample_rows=tuple(s_rows), sample_weights=w64.to(wdt), flat_rows=flat,
+        in_row_order=bool(flat.numel() == rows.size and torch.equal(flat, torch.arange(rows.size))))
+    cp = CPLayout(cp_rank=cp_rank, cp_size=c, rows=torch.from_numpy(rows),
+                  own_index=torch.arange(owned.size, dtype=torch.int64), counts=tuple(int(x) for x in counts),
+                  width=width, num_rows=U, sample_positions=tuple(s_pos), full_lens=tuple(int(s.size) for s in samples),
+                  target_ids=p.input_ids.cpu()[tgt], predicted=predicted)
+    scores_loss = (p.loss_mask.cpu()[tgt] & predicted).to(torch.int64)  # rows whose logits score a loss token
+    mask = torch.zeros(rows.size, dtype=torch.int64).index_add_(0, flat, scores_loss) > 0
     dev = p.input_ids.device
-    take = lambda x: x.index_select(0, t_rows.to(x.device))  # noqa: E731
+    take = lambda x: x.index_select(0, cp.rows.to(x.device))  # noqa: E731
     from .packing import PackedMicro
     shard = PackedMicro(
         input_ids=take(p.input_ids), position_ids=take(p.position_ids),
         cu_seqlens=torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)),
         max_seqlen=int((ends - starts).max()),
-        loss_weights=take(p.loss_weights) * own_t.to(p.loss_weights.device, wdt),
-        loss_mask=take(p.loss_mask) & own_t.to(p.loss_mask.device), sample_indices=p.sample_indices,
-        seq_lens=tuple(int(x) for x in ends - starts), is_placeholder=p.is_placeholder, cp_size=c,
-        sample_lens=tuple(int(r.numel()) for r in s_rows), pad_to_multiple_of=p.pad_to_multiple_of,
-        pad_row_to_multiple_of=p.pad_row_to_multiple_of, tree=tree, cp=cp)
+        loss_weights=torch.zeros(rows.size, dtype=torch.float64).index_add_(0, flat, w64).to(wdt),
+        loss_mask=mask, sample_indices=p.sample_indices, seq_lens=tuple(int(x) for x in ends - starts),
+        is_placeholder=p.is_placeholder, cp_size=c, sample_lens=tuple(int(r.numel()) for r in s_rows),
+        pad_to_multiple_of=p.pad_to_multiple_of, pad_row_to_multiple_of=p.pad_row_to_multiple_of, tree=tree, cp=cp)
     return shard if dev.type == "cpu" else shard.to(dev)
 
 
@@ -186,9 +217,23 @@ def check_shard(p: PackedMicro) -> None:
             or cp.own_index.numel() != cp.counts[cp.cp_rank]:
         raise PlanError(f"cp.counts={cp.counts} must give each of the {cp.cp_size} members' owned rows, summing to "
                         f"{cp.num_rows}, this member's matching own_index ({cp.own_index.numel()}).")
+    if T != max(cp.own_index.numel(), 1) or not torch.equal(cp.own_index.cpu(), torch.arange(cp.own_index.numel())):
+        raise PlanError(f"a CP shard computes its {cp.own_index.numel()} owned rows and nothing else (one dummy row "
+                        f"when it owns none), got T={T}.")
     ki = p.tree.key_index
     if ki.numel() and (int(ki.min()) < 0 or int(ki.max()) >= cp.cp_size * cp.width):
         raise PlanError(f"key_index must address the {cp.cp_size}×{cp.width} gathered slots.")
     if len(cp.sample_positions) != len(p.tree.sample_rows) or any(
             a.numel() != b.numel() for a, b in zip(cp.sample_positions, p.tree.sample_rows)):
-        raise PlanError("cp.sample_positions must hold one position per owned token of each sample.")
+        raise PlanError("cp.sample_positions must hold one position per scored entry of each sample.")
+    S = p.tree.sample_weights.numel()
+    pos = torch.cat(cp.sample_positions) if cp.sample_positions else torch.zeros(0, dtype=torch.int64)
+    if tuple(cp.target_ids.shape) != (S,) or not torch.equal(cp.predicted.cpu(), pos > 0):
+        raise PlanError(f"cp.target_ids and cp.predicted must hold one entry per scored entry (S={S}), predicted "
+                        "False exactly at a sample's position 0.")
+    flat = p.tree.flat_rows.cpu()
+    if bool((p.position_ids.cpu()[flat] != torch.clamp(pos - 1, min=0)).any()):
+        raise PlanError("each scored entry's logit row must sit one position before it (its predecessor).")
+    w = p.tree.sample_weights.cpu()
+    if bool((w[~cp.predicted.cpu()] != 0).any()):
+        raise PlanError("a sample's position 0 carries no loss (nothing predicts it).")

@@ -59,20 +59,36 @@ def token_logprobs(logits: torch.Tensor, packed: Packed, *, temperature: float =
     token t+1). Entry t is 0 where t starts a sample (no prediction; the logits at t-1 belong to
     the previous sample). Differentiable; computed in the logits' dtype (upcast bf16 logits
     yourself if you want float32 log-probs). ``temperature`` divides the logits first.
+
+    A CP shard (:meth:`PackedMicro.cp_shard`) returns its per-sample layout ``[S]`` instead: the
+    log-prob of each token its rows' logits predict (``cp_shard.py``; ``expand`` keeps it as is).
     """
     x = _tokens_first(logits, packed, "logits", extra_dims=1)
     if temperature != 1.0:
         x = x / temperature
-    ids = packed.input_ids.to(x.device)
-    if getattr(packed, "tree", None) is not None:  # a prefix-shared row: predecessors on each path (tree.py)
-        prev_idx = predecessor_index(packed, x.device)
-        q = prev_idx.clamp(min=0)
+    if getattr(packed, "tree", None) is not None:  # a prefix-shared row or a CP shard: gather through the table
+        q, ids, ok = prediction_table(packed, x.device)
         lp = x[q, ids] - torch.logsumexp(x, dim=-1)[q]  # no [U, V] copy of the logits
-        return torch.where(prev_idx >= 0, lp, torch.zeros_like(lp))
+        return torch.where(ok, lp, torch.zeros_like(lp))
+    ids = packed.input_ids.to(x.device)
     prev = x[..., :-1, :]
     lp = prev.gather(-1, ids[..., 1:, None]).squeeze(-1) - torch.logsumexp(prev, dim=-1)
     lp = torch.cat([lp.new_zeros(*lp.shape[:-1], 1), lp], dim=-1)
     return torch.where(packed.predicted().to(x.device), lp, torch.zeros_like(lp))
+
+
+def prediction_table(packed: PackedMicro, device: torch.device | str | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logit row, label, predicted) of every entry :func:`token_logprobs` returns: for a row, its
+    tokens ``[T]`` (t's predecessor row, token t, t not a sample start); for a CP shard, its
+    per-sample layout ``[S]`` (``cp_shard.py``: the owned row whose logits score the entry, the
+    token it scores — several entries share a branch node's row, one per child — and False at a
+    sample's position 0)."""
+    cp = getattr(packed, "cp", None)
+    if cp is not None:
+        return packed.tree.flat_rows.to(device), cp.target_ids.to(device), cp.predicted.to(device)  # type: ignore[union-attr]
+    prev = predecessor_index(packed, device)
+    return prev.clamp(min=0), packed.input_ids.to(device), prev >= 0
 
 
 def predecessor_index(packed: PackedMicro, device: torch.device | str | None = None) -> torch.Tensor:
@@ -144,7 +160,8 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
     in the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand` / :func:`pack_values` (exact
     for every per-sample loss, e.g. PPO with per-sample advantages); ``per_sample`` says which
     (None: from the length — a row without any shared token has both of the same length, and
-    then the two layouts must coincide, else pass it; a CP shard's ``[S]`` losses are taken per sample).
+    then the two layouts must coincide, else pass it). A CP shard's losses are always per sample
+    (``[S]``, the layout ``token_logprobs`` returns for it).
     """
     if aligned not in ("token", "logit"):
         raise PlanError(f"aligned={aligned!r} must be 'token' (loss of token t at t) or 'logit' (at t-1).")
@@ -155,11 +172,15 @@ def weighted_loss(token_losses: torch.Tensor, packed: Packed, *,
         y = token_losses[0] if token_losses.dim() == 2 and token_losses.shape[0] == 1 else token_losses
         S, U = tree.sample_weights.numel(), packed.num_tokens
         shard = getattr(packed, "cp", None) is not None  # a CP shard's losses are per sample (its expand layout)
+        if shard and per_sample is False:
+            raise PlanError("a CP shard's losses are per sample ([S], the layout token_logprobs returns for it): its "
+                            "rows' logits score the tokens after them, so there is no loss per row; drop "
+                            "per_sample=False.")
         if per_sample is None and y.dim() == 1 and y.shape[0] == S == U and not tree.in_row_order and not shard:
             raise PlanError("token_losses has as many entries as the row and as the per-sample layout, which order "
                             "tokens differently here: pass per_sample=True (losses in the layout of pack_values / "
                             "PackedMicro.expand) or per_sample=False (one loss per row token).")
-        if per_sample or (per_sample is None and y.dim() == 1 and y.shape[0] == S and (S != U or shard)):
+        if per_sample or shard or (per_sample is None and y.dim() == 1 and y.shape[0] == S and S != U):
             if y.dim() != 1 or y.shape[0] != S:
                 raise PlanError(f"per-sample token_losses must be [Σ L] = [{S}], got shape {tuple(y.shape)}.")
             if not (y.dtype.is_floating_point or y.dtype.is_complex):

@@ -80,10 +80,10 @@ class PackedMicro:
             each token's position in its own samples, and attention must come from
             :func:`microplan.torch.register_attention` (``model_inputs`` passes the path table).
         cp: for one member's share of a row (:meth:`cp_shard`), the
-            :class:`~microplan.torch.cp_shard.CPLayout`: its tokens are that member's (owned and
-            halo rows), ``tree`` holds its attention table over the CP group's gathered keys and
-            its per-sample layout (the owned tokens of each sample); run the model inside
-            :func:`microplan.torch.context_parallel`.
+            :class:`~microplan.torch.cp_shard.CPLayout`: its tokens are that member's owned rows,
+            ``tree`` holds its attention table over the CP group's gathered keys and its
+            per-sample layout (the entries its logits score: each owned row predicts the tokens
+            that follow it); run the model inside :func:`microplan.torch.context_parallel`.
     """
 
     input_ids: torch.Tensor
@@ -149,9 +149,10 @@ class PackedMicro:
 
     def cp_shard(self, cp_rank: int, *, cp_size: int | None = None) -> PackedMicro:
         """This CP member's share of the row (binding API): its zigzag share of every segment's
-        tokens (flat or tree row), plus the predecessors it needs from its peers, with
-        ``model_inputs()``, loss weights (the owned tokens'), the per-sample layout of its owned
-        tokens for :meth:`expand` / :func:`pack_values` / ``weighted_loss``, and true positions.
+        tokens (flat or tree row) and nothing else — at most ⌈T/c⌉ rows — with
+        ``model_inputs()``, true positions, and the per-sample layout of the tokens its rows'
+        logits predict (each owned row scores its successors; a branch node each child's first
+        token) for ``token_logprobs`` / :func:`pack_values` / ``weighted_loss``.
         Run the model on it inside ``with microplan.torch.context_parallel(group):``, ``group``
         the CP group (this member at position ``cp_rank``). ``cp_size`` defaults to the plan's
         ``Micro.cp_size``; 1 returns the row itself. Every member gets the same split (a pure
@@ -185,9 +186,20 @@ class PackedMicro:
         """A ``[T, ...]`` row tensor in the per-sample layout the loss is written in: itself for a
         flat row; for a prefix-shared row ``[Σ L, ...]``, every member's tokens in full (a shared
         token repeated for each sample that holds it), member after member — the layout of
-        :func:`pack_values` and of ``tree.sample_weights``."""
+        :func:`pack_values` and of ``tree.sample_weights``. A CP shard's loss side is already in
+        its per-sample layout ``[S, ...]`` (``token_logprobs`` returns it): returned as is; a
+        per-row tensor of a shard's logits (e.g. entropy) maps to it with
+        ``x.index_select(0, p.tree.flat_rows)``, the row whose logits score each entry."""
         if self.tree is None:
             return x
+        if self.cp is not None:
+            S = self.tree.sample_weights.numel()
+            y = x[0] if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == S else x
+            if y.dim() == 0 or y.shape[0] != S:
+                raise PlanError(f"a CP shard's loss side is its per-sample layout [S, ...] with S={S} (what "
+                                f"token_logprobs and pack_values return), got shape {tuple(x.shape)}; map a per-row "
+                                "tensor of the shard's logits with x.index_select(0, p.tree.flat_rows).")
+            return y
         T = self.num_tokens
         y = x[0] if x.dim() >= 2 and x.shape[0] == 1 and x.shape[1] == T else x
         if y.dim() == 0 or y.shape[0] != T:
@@ -196,7 +208,11 @@ class PackedMicro:
 
     def split(self, packed: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Split a ``[T, ...]`` (or ``[1, T, ...]``) tensor into per-sample views of each sample's REAL
-        tokens (padding left out; none for a placeholder)."""
+        tokens (padding left out; none for a placeholder). A CP shard splits its per-sample layout
+        ``[S, ...]`` into each sample's scored entries (:meth:`expand`)."""
+        if self.cp is not None:
+            y = self.expand(packed)
+            return tuple(torch.split(y, list(self.sample_lens))) if self.sample_lens else ()
         T = self.num_tokens
         x = packed[0] if packed.dim() >= 2 and packed.shape[0] == 1 and packed.shape[1] == T else packed
         if x.dim() == 0 or x.shape[0] != T:
@@ -272,8 +288,8 @@ class PackedMicro:
             raise PlanError("position_ids must count up by 1 within each segment.")
         segs = self.seq_lens[:-1] if self.row_pad else self.seq_lens
         mult, r = self.pad_to_multiple_of, self.pad_row_to_multiple_of
-        if self.cp is None and any(n % mult for n in segs) or T % r or (self.row_pad and self.row_pad != self.seq_lens[-1]) \
-                or self.row_pad >= r:
+        if self.cp is None and (any(n % mult for n in segs) or T % r or self.row_pad >= r
+                                or (self.row_pad and self.row_pad != self.seq_lens[-1])):
             raise PlanError(f"a tree row's segments {list(self.seq_lens)} must each be a multiple of "
                             f"pad_to_multiple_of={mult}, and the row (T={T}) a multiple of pad_row_to_multiple_of={r} "
                             f"with its fewest pads in one trailing segment (row_pad={self.row_pad}).")
@@ -473,7 +489,7 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
     placeholder's dummy tokens) get ``fill``. The result is on the host; move it with
     ``.to(device)``. A :class:`~microplan.torch.padded.PaddedMicro` gives ``[n, W]``; a
     prefix-shared micro-batch the per-sample layout ``[Σ L]`` of :meth:`PackedMicro.expand`; a CP
-    shard (:meth:`PackedMicro.cp_shard`) its per-sample layout: each sample's owned tokens.
+    shard (:meth:`PackedMicro.cp_shard`) its per-sample layout: each sample's entries it scores.
     """
     if not isinstance(packed, PackedMicro):
         from .padded import PaddedMicro, pack_padded_values

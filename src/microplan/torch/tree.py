@@ -161,18 +161,13 @@ def check_tree(packed: Any) -> None:
     if tuple(prev.shape) != (U,) or bool(((prev < -1) | (prev >= U)).any()):
         raise PlanError(f"prev_index must hold U={U} rows in -1..U-1.")
     has = prev >= 0
-    cp = getattr(packed, "cp", None)
-    if cp is not None:  # a CP shard: halo rows (weight 0) carry no prediction here, owned rows do
-        own = torch.zeros(U, dtype=torch.bool)
-        own[cp.own_index.cpu()] = True
-        if not torch.equal(has, (pos > 0) & own):
-            raise PlanError("a CP shard's prev_index must be -1 exactly at position 0 and on halo rows.")
-    elif not torch.equal(has, pos > 0):
+    shard = getattr(packed, "cp", None) is not None  # a CP shard: a predecessor may live on a peer (cp_shard.py)
+    if not torch.equal(has, pos > 0) and not (shard and not bool((has & (pos == 0)).any())):
         raise PlanError("prev_index must be -1 exactly at position 0 (a token with no predecessor).")
     if bool((pos[prev[has]] != pos[has] - 1).any()):
         raise PlanError("each token's predecessor must sit one position before it on its path.")
     w, m = packed.loss_weights.cpu(), packed.loss_mask.cpu()
-    if not bool(torch.isfinite(w).all()) or bool((w[~m] != 0).any()) or bool(m[~has].any()):
+    if not bool(torch.isfinite(w).all()) or bool((w[~m] != 0).any()) or (not shard and bool(m[~has].any())):
         raise PlanError("loss_weights must be finite, 0 outside loss_mask, and no token at position 0 may carry loss.")
     cu = t.cu_seqlens_k.cpu().to(torch.int64)
     if cu.numel() != len(packed.seq_lens) + 1 or int(cu[-1]) != t.key_index.numel():
