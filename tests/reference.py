@@ -176,10 +176,7 @@ def check_plan(plan: mp.Plan, seq_lens: np.ndarray, loss_tokens: np.ndarray, pc:
                 assert micro.num_tokens == tokens
                 assert micro.real_tokens == sum(int(seq_lens[i]) for i in idx)
                 if cfg.max_tokens_per_micro is not None:  # invariant 3 (per GPU of the CP group)
-                    gpu = -(-tokens // micro.cp_size)
-                    if micro.cp_size > 1 and cfg.layout == "varlen":  # cp_shard: 2 halo rows per row segment
-                        segs = micro.tree.start.size if micro.tree is not None else len(idx)
-                        gpu += 2 * (segs + (cfg.pad_row_to_multiple_of > 1))
+                    gpu = -(-tokens // micro.cp_size)  # cp_shard: a GPU computes its ⌈U/c⌉ owned rows, no more
                     assert gpu <= cfg.max_tokens_per_micro, f"micro with {tokens} tokens over cap ({gpu} per GPU)"
                 else:
                     assert len(idx) <= cfg.micro_batch_size
@@ -632,8 +629,8 @@ def configs(draw, case: Case, *, cp: bool = True, max_dp: int = 256) -> mp.PlanC
     if dyn:  # dynamic CP: the plane's dp GPUs are cut into groups of up to c; dp % c == 0
         dp = max(c, dp - dp % c)
     if draw(st.booleans()):
-        if c is not None:  # CP: samples may be up to c × the per-GPU cap less each GPU's 2 halo rows
-            cap = -(-case.cap // c) + 2 + draw(st.integers(0, 3))
+        if c is not None:  # CP: samples may be up to c × the per-GPU cap (exactly, at the smallest cap)
+            cap = -(-case.cap // c) + draw(st.integers(0, 3))
         else:
             cap = case.cap + draw(st.sampled_from([0, 0, 1, case.cap]))
         cpc = None if c is None else (mp.ContextParallel(max_size=c) if dyn else mp.ContextParallel(size=c))

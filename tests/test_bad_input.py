@@ -186,9 +186,9 @@ def test_sample_longer_than_the_cap_in_a_later_step():
 
 def test_sample_longer_than_cap_times_static_cp():
     cp = mp.ContextParallel(size=4)
-    ok = mp.plan(mp.Batch([10, 392]), cfg(context_parallel=cp))  # 392 <= 4 × (100 − 2 halo rows): CP holds it
+    ok = mp.plan(mp.Batch([10, 400]), cfg(context_parallel=cp))  # 400 = 4 × 100: a group of 4 holds it
     ok.validate()
-    refused(lambda: mp.plan(mp.Batch([10, 393]), cfg(context_parallel=cp)), "sample 1", "393", "400", "halo rows")
+    refused(lambda: mp.plan(mp.Batch([10, 401]), cfg(context_parallel=cp)), "sample 1", "401", "400", "cp size 4")
 
 
 # -- loss ---------------------------------------------------------------------------------------
