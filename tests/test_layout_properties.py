@@ -39,22 +39,12 @@ def _batch(case, layout: str, rng: np.random.Generator) -> mp.Batch:
 
 
 def _alone_over_cap(b: mp.Batch, cfg: mp.PlanConfig) -> bool:
-    """Does some sample exceed the cap on its own once padded (CP: cap × the widest group, less
-    2 halo rows per GPU for the sample and the row pad of a split varlen row)?"""
+    """Does some sample exceed the cap on its own once padded (CP: cap × the widest group)?"""
     if cfg.max_tokens_per_micro is None:
         return False
     width = cfg.context_parallel.max_size if is_dynamic_cp(cfg) else cfg.static_cp_size
     cap = cfg.max_tokens_per_micro * width
-    r, m = cfg.pad_row_to_multiple_of, cfg.pad_to_multiple_of
-    if width > 1 and cfg.layout == "varlen" and not is_dynamic_cp(cfg):  # static CP: the packer's room
-        room = cap - 2 * width - (r - 1) if r > 1 else cap  # the row pad's halo rows, rounding up to r
-        return any(-(-int(L) // m) * m + 2 * width > room for L in b.seq_lens)
-    halo = 2 * width * (1 + (r > 1)) if width > 1 and cfg.layout == "varlen" else 0
-    for i in range(b.num_samples):
-        held = held_tokens([i], b.seq_lens, b.prompt_lens, cfg)
-        if held + (halo if held > cfg.max_tokens_per_micro else 0) > cap:
-            return True
-    return False
+    return any(held_tokens([i], b.seq_lens, b.prompt_lens, cfg) > cap for i in range(b.num_samples))
 
 
 def _check_packing(plan: mp.Plan, limit: int = 6) -> None:

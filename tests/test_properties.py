@@ -243,8 +243,7 @@ def test_placeholder_never_costs_more_than_a_real_micro_under_static_cp():
     static CP, so a placeholder cost more than a 1-token micro-batch and the reported lockstep time
     of an optimal arrangement (7.0) came out as 7.5."""
     lens = [2] * 11 + [1] * 4
-    # cap 3 per GPU: one sample per micro-batch (a GPU computes ⌈L/2⌉ plus 2 halo rows per sample)
-    plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, max_tokens_per_micro=3, align=2,
+    plan = mp.plan(mp.Batch(lens), mp.PlanConfig(dp_size=2, max_tokens_per_micro=1, align=2,
                                                  context_parallel=mp.ContextParallel(size=2)))
     step = plan.steps[0]
     assert step.num_placeholders == 1
