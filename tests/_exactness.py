@@ -52,9 +52,9 @@ def layouts(world: int) -> dict[str, dict[str, Any]]:
     if world % 2 == 0:
         out["cp2"] = dict(max_tokens_per_micro=16, steps=mp.Steps(prompts_per_step=3),
                           context_parallel=mp.ContextParallel(size=2))
-        # dynamic CP over the W-GPU plane: a cap of 10 tokens per GPU (a split sample's GPU also
-        # runs 2 halo rows) gives slots mixing 1- and 2-GPU groups (and placeholders), one prompt per step
-        out["dcp"] = dict(max_tokens_per_micro=10, steps=mp.Steps(prompts_per_step=1),
+        # dynamic CP over the W-GPU plane: a cap of 8 tokens per GPU gives slots mixing 1- and
+        # 2-GPU groups (and placeholders), one prompt per step
+        out["dcp"] = dict(max_tokens_per_micro=8, steps=mp.Steps(prompts_per_step=1),
                           context_parallel=mp.ContextParallel(max_size=2))
     return out
 

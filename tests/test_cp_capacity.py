@@ -92,7 +92,7 @@ def test_planner_and_shard_count_the_same_rows_at_c_times_cap(kind, row, c):
 
 def test_a_grpo_tree_of_c_times_cap_stays_whole_under_fixed_cp():
     """A 12k-token prompt with 8 completions of 2,560: 32,768 trie tokens, one micro-batch on a
-    group of 2 at a 16k cap (before: cut, or refused for its halo rows)."""
+    group of 2 at a 16k cap."""
     lens = [12288 + 2560] * 8
     parent, shared = [-1] + [0] * 7, [0] + [12288] * 7
     cfg = mp.PlanConfig(dp_size=1, max_tokens_per_micro=CAP, share_prefixes=True,

@@ -222,8 +222,8 @@ def _truth_seconds(micro, rng, noise=0.02):
 
 
 def _cfg_dyn(cost):
-    # 8,192 + 8 per GPU: a 32k sample over 4 GPUs with each GPU's 2 halo rows
-    return mp.PlanConfig(dp_size=8, max_tokens_per_micro=8200, cost=cost, context_parallel=mp.ContextParallel(max_size=4))
+    # 8,192 per GPU: a 32k sample fills 4 GPUs exactly
+    return mp.PlanConfig(dp_size=8, max_tokens_per_micro=8192, cost=cost, context_parallel=mp.ContextParallel(max_size=4))
 
 
 def _truth_time(plan):

@@ -95,9 +95,9 @@ def test_long_context_dynamic_cp_matches_or_beats_fixed_cp(cmax):
 
 
 def test_a_split_sample_keeps_every_gpu_under_a_tiny_cap():
-    """Found by the thorough hypothesis profile (when a split GPU also ran halo rows): at cap 3 the
-    balancing widening may split a 3-token sample; every GPU then computes ⌈n/c⌉ ≤ 3 rows
-    (footprint.gpu_tokens), and validate() accepts the plan."""
+    """Found by the thorough hypothesis profile: at cap 3 the balancing widening may split a
+    3-token sample; every GPU then computes ⌈n/c⌉ ≤ 3 rows (footprint.gpu_tokens), and
+    validate() accepts the plan."""
     cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=3, context_parallel=mp.ContextParallel(max_size=4),
                         cost=mp.TokenCost(per_micro=64.0))
     plan = mp.plan(mp.Batch([2, 3]), cfg)

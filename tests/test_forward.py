@@ -129,7 +129,7 @@ def test_forward_cap_below_the_longest_sample():
     with pytest.raises(mp.PlanError, match=r"× cp size 2 = 4096"):
         mp.plan_forward(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=2048,
                                          context_parallel=mp.ContextParallel(size=2)))
-    ok = mp.plan_forward(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=2502,  # 2,500 + 2 halo rows per GPU
+    ok = mp.plan_forward(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=2500,  # 5,000 = 2 × 2,500
                                           context_parallel=mp.ContextParallel(size=2)))
     ok.validate()
 

@@ -266,8 +266,8 @@ def test_dynamic_cp_policy_only_matters_for_short_steps(short_step):
     """verl DCP seed: 4 samples on a 16-GPU plane with CP groups of up to 4 fill it exactly (four
     groups of 4, as short_step='pad' finds, with no placeholder). The step is not short, so 'drop'
     and 'error' must give the same plan instead of refusing it."""
-    batch = mp.Batch([1, 1, 2, 4])  # cap 3 per GPU: a split row's GPU computes its share plus 2 halo rows
-    base = dict(dp_size=16, max_tokens_per_micro=3, context_parallel=mp.ContextParallel(max_size=4))
+    batch = mp.Batch([1, 1, 2, 4])
+    base = dict(dp_size=16, max_tokens_per_micro=1, context_parallel=mp.ContextParallel(max_size=4))
     pad = mp.plan(batch, mp.PlanConfig(**base))
     pad.validate()
     assert pad.steps[0].num_placeholders == 0 and pad.steps[0].micro_count == 1

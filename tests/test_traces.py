@@ -151,7 +151,7 @@ def test_bad_arguments_raise_plan_error(kwargs: dict, match: str) -> None:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_family_plans_and_validates(family: str) -> None:
-    L = 4 * (8192 - 2) if family == "long-context" else 8192  # split over 4 GPUs, each with 2 halo rows
+    L = 4 * 8192 if family == "long-context" else 8192  # long-context: up to 4 GPUs' worth, split over 4
     b = generate(family, num_prompts=32, max_len=L, seed=0)
     cp = mp.ContextParallel(max_size=4) if family == "long-context" else None
     p = mp.plan(b, mp.PlanConfig(dp_size=4, max_tokens_per_micro=8192, steps=mp.Steps(prompts_per_step=8),
