@@ -62,8 +62,7 @@ from benchmarks._results import save_json  # noqa: E402
 from benchmarks.bench_planners import make_step  # noqa: E402
 from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
-# (max_len, per-GPU cap): the longest sample needs CP 2 / 4 (a split sample's GPU also runs 2 halo rows)
-SETTINGS = ((2 * (16384 - 2), 16384), (4 * (32768 - 2), 32768))
+SETTINGS = ((32768, 16384), (131072, 32768))  # (max_len, per-GPU cap): the longest sample needs CP 2 / 4
 SPG = (8, 16, 32)
 #: The benchmark model's shape (benchmarks/metrics.py: ~7B dense, Llama-2-7B: multi-head attention).
 LLAMA2_7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -169,7 +168,7 @@ def node_steps(G: int, seed: int) -> dict[str, mp.Batch]:
     n = G * STRAGGLER_SPG[seed % len(STRAGGLER_SPG)]
     straggler = np.r_[rng.integers(100_000, 131_000, 1), rng.integers(500, 8_000, n - 1)]
     return {"long-context": make_step("long-context", G, NODE_SPG[seed % len(NODE_SPG)], seed,
-                                      max_len=8 * (NODE_CAP - 2)),
+                                      max_len=8 * NODE_CAP),
             "straggler": mp.Batch(straggler.tolist())}
 
 

@@ -10,7 +10,7 @@ prompts 16k–32k) at dp × cp = 8 × 4, planned under the ~7B cost model with f
 ``ContextParallel(size=4)`` and dynamic ``ContextParallel(max_size=4)``. Reported per plan:
 the CP widths used,
 tokens without / with sharing, K, GPUs over the cap (each GPU's owned tokens under the
-``cp_shard`` cut, :func:`microplan.cp_cut.cp_loads`, plus 2 halo rows per segment), and the per-GPU attention-cost balance
+``cp_shard`` cut, :func:`microplan.cp_cut.cp_loads`: all it computes), and the per-GPU attention-cost balance
 inside every CP group (max / mean of Σ (position+1) over each member's tokens; worst group).
 
 *Measured* (CPU, gloo, c = 2): one step-wise trajectory — a history of ``--history`` tokens,
@@ -19,7 +19,7 @@ then ``--turns`` turns each adding an observation and a response — packed two 
 each row is sharded over 2 gloo processes with ``PackedMicro.cp_shard`` and run forward +
 backward (PPO-style loss) through a float32 transformers Llama with ``register_attention()`` inside
 ``context_parallel``. The two rows are timed interleaved, ``--repeats`` times, minimum kept;
-the time of a run is the slower member's. Reported: tokens (row, per member owned + halo),
+the time of a run is the slower member's. Reported: tokens (row, per member computed (owned)),
 fwd+bwd seconds, and the ratio (target ≥ 2×).
 
 *Cut balance* (no planner change needed): the tree micro-batches of a sharing plan without CP,
@@ -54,7 +54,7 @@ from benchmarks.metrics import dense_7b_cost  # noqa: E402
 
 VOCAB = 512
 UNAVAILABLE = "planner: share_prefixes x CP not available"
-MAX_LEN = 65024  # histories up to 64k: 4 GPUs x 16,384 minus room for each GPU's halo rows (2 per segment)
+MAX_LEN = 65536  # histories up to 64k: 4 GPUs x 16,384
 
 
 # -- planning -------------------------------------------------------------------------------------
@@ -87,10 +87,9 @@ def plan_rows(seeds: range, cap: int) -> list[dict]:
 
 
 def _plan_figures(plan: mp.Plan, cap: int) -> dict:
-    """Tokens, K, GPUs over the cap (owned rows under the ``cp_shard`` cut plus 2 halo rows per
-    segment, ``footprint.gpu_tokens``) and the worst per-GPU attention max/mean inside a CP group."""
+    """Tokens, K, GPUs over the cap (owned rows under the ``cp_shard`` cut, all a GPU computes:
+    ``footprint.gpu_tokens``) and the worst per-GPU attention max/mean inside a CP group."""
     over, worst, groups, fullest = 0, 1.0, 0, 0
-    row_seg = plan.config.pad_row_to_multiple_of > 1
     for step in plan.steps:
         for row in step.micros:
             for m in row:
@@ -101,7 +100,7 @@ def _plan_figures(plan: mp.Plan, cap: int) -> dict:
                 else:
                     lens, starts = m.seq_lens, np.zeros_like(m.seq_lens)
                 loads = cp_loads(lens, starts, m.cp_size)
-                held = loads.tokens + (2 * (lens.size + row_seg) if m.cp_size > 1 else 0)
+                held = loads.tokens
                 fullest = max(fullest, int(held.max()))
                 over += int((held > cap).sum())
                 if m.cp_size > 1:

@@ -63,10 +63,12 @@ def config(kind: str, c: int, ds: Dataset, mode: str) -> mp.PlanConfig:
         return mp.PlanConfig(dp_size=WORLD // c, max_tokens_per_micro=12, loss=loss, steps=mp.Steps(prompts_per_step=3),
                              context_parallel=mp.ContextParallel(size=c))
     if kind == "dynamic":  # caps that give slots of mixed widths on this data (checked by the test)
-        return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=10 if c == 2 else 26, loss=loss,
+        return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=8 if c == 2 else 4, loss=loss,
                              steps=mp.Steps(prompts_per_step=3), context_parallel=mp.ContextParallel(max_size=c))
-    if kind == "dynamic-tree":  # caps that give slots of mixed widths on the GRPO trees (checked by the test)
-        return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=13 if c == 2 else 10, loss=loss,
+    if kind == "dynamic-tree":  # caps that give slots of mixed widths on the GRPO trees (checked by the test);
+        # at c = 4 a K/V price, without which a split scales perfectly and every tree goes 4 wide
+        cost = mp.TokenCost(cp=mp.CPCost(comm_per_token=1.0)) if c == 4 else None
+        return mp.PlanConfig(dp_size=WORLD, max_tokens_per_micro=12 if c == 2 else 10, loss=loss, cost=cost,
                              share_prefixes=True, steps=mp.Steps(prompts_per_step=2),
                              context_parallel=mp.ContextParallel(max_size=c))
     return mp.PlanConfig(dp_size=WORLD // c, max_tokens_per_micro=max(ds.seq_lens) // c + 8, loss=loss,

@@ -174,6 +174,25 @@ def test_shard_logprobs_are_the_rows_logprobs_from_the_same_logits(seed, tree, c
     assert len(seen) == sum(p.real_lens)                          # every entry scored by exactly one member
 
 
+@given(st.integers(0, 10**6), st.booleans(), st.integers(2, 4))
+def test_chunked_logprobs_of_a_shard_match_its_token_logprobs(seed, tree, c):
+    """chunked_token_logprobs on a shard (hidden states and LM head) gives the shard's per-sample
+    layout, as token_logprobs on the logits does; a member scoring nothing gets an empty one."""
+    from microplan.torch import chunked_token_logprobs, token_logprobs
+    micro, toks, masks = _full_row(seed, tree)
+    p = pack_micro(micro, toks, loss_masks=masks)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(p.num_tokens, 5, generator=g, dtype=torch.float64)
+    head = torch.randn(9, 5, generator=g, dtype=torch.float64)
+    for q in range(c):
+        s = p.cp_shard(q, cp_size=c)
+        h = hidden[s.cp.rows]
+        want = token_logprobs(h @ head.T, s)
+        got = chunked_token_logprobs(h, head, s, chunk_tokens=3)
+        assert got.shape == want.shape == (s.tree.sample_weights.numel(),)
+        assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+
+
 def test_a_branch_node_scores_each_childs_first_token():
     """A prompt of 6 tokens and three completions: the row of the prompt's last token scores the
     first token of each completion, all on the member that owns that row."""

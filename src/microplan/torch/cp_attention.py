@@ -4,8 +4,8 @@ Design note. Each member of a CP group runs the model on its shard of a packed r
 (:meth:`PackedMicro.cp_shard`); under ``context_parallel(group)`` the attention of
 :func:`microplan.torch.register_attention` does, in every layer:
 
-1. project its local tokens to Q, K, V as usual (owned and halo rows);
-2. all-gather the K and V of its *owned* rows over ``group`` — one collective per layer, K and
+1. project its rows (its owned rows: ``cp_shard`` computes no other) to Q, K, V as usual;
+2. all-gather the K and V of its owned rows over ``group`` — one collective per layer, K and
    V flattened side by side and padded to the largest member's count, so the buffer has
    ``c × width`` slots (member m's i-th owned row at slot m·width + i);
 3. attend each local piece to its keys: the slots of its path up to itself
