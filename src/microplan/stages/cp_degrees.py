@@ -2,8 +2,8 @@
 
 Design note. A sample's *need* is the fewest power-of-two GPUs that keep each GPU under the cap
 (``cp_degrees``: ⌈row/d⌉ ≤ cap, ``footprint.gpu_tokens``); ``group_room`` is what a group of w
-GPUs may hold before its row is rounded up to the row multiple. Beyond the need, ``balanced_degrees`` widens a sample whose per-GPU cost exceeds the mean
-load of a GPU slot, greedily (a heap by per-GPU cost), only while the CP price
+GPUs may hold before its row is rounded up to the row multiple. Beyond the need,
+``balanced_degrees`` widens a sample whose per-GPU cost exceeds the mean load of a GPU slot, greedily (a heap by per-GPU cost), only while the CP price
 (``per_gpu_cost``: ``cost.cp.cp_micro_costs``, or cost / width without a CP term) says the wider
 split is faster, and while the unit GPU-slots left still hold the short samples' tokens.
 ``cp_increments`` gives the packer the price's per-bin slopes (compute per unit of cost,

@@ -115,6 +115,18 @@ def _sample_weights(p: PackedMicro, samples: list[np.ndarray]) -> list[torch.Ten
     return [w[torch.from_numpy(s)] for s in samples]
 
 
+def _gather_slots(owner: np.ndarray, c: int) -> tuple[np.ndarray, int, np.ndarray]:
+    """(owned rows per member, the widest count w, each row's slot in the gathered buffer: member
+    m's i-th owned row at m·w + i)."""
+    counts = np.bincount(owner, minlength=c)
+    width = int(counts.max())
+    slot = np.zeros(owner.size, dtype=np.int64)
+    for m in range(c):
+        mine = np.flatnonzero(owner == m)
+        slot[mine] = m * width + np.arange(mine.size)
+    return counts, width, slot
+
+
 def _pieces(rows: np.ndarray, seg_lens: tuple[int, ...], paths: list[np.ndarray],
             slot: np.ndarray) -> tuple[np.ndarray, np.ndarray, list[np.ndarray], list[int]]:
     """(piece starts, piece ends, key slots per piece, cu of the keys): runs of local rows
@@ -166,12 +178,7 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
     rows = owned if owned.size else np.zeros(1, dtype=np.int64)  # owning nothing: one dummy row, no keys, no loss
     local = np.full(U, -1, dtype=np.int64)
     local[rows] = np.arange(rows.size)
-    counts = np.bincount(owner, minlength=c)
-    width = int(counts.max())
-    slot = np.zeros(U, dtype=np.int64)  # the gather buffer: member m's i-th owned row at m·width + i
-    for m in range(c):
-        mine = np.flatnonzero(owner == m)
-        slot[mine] = m * width + np.arange(mine.size)
+    counts, width, slot = _gather_slots(owner, c)
     starts, ends, keys, cu_k = _pieces(rows, p.seq_lens, paths, slot)
     prev = predecessor_index(p, "cpu").numpy()[rows]
     prev_local = np.where(prev >= 0, local[np.maximum(prev, 0)], -1)  # the predecessor's local row, where held here
