@@ -238,6 +238,19 @@ def test_a_shard_whose_layouts_have_equal_lengths_takes_per_sample_losses():
         s.expand(torch.zeros(S + 1))
 
 
+def test_a_shard_of_a_row_padded_to_a_row_multiple_validates():
+    """Regression: PackedMicro.validate() held a shard to its full row's row multiple (6 rows of
+    a 12-token row padded to 4 are no multiple of 4) and refused every such shard."""
+    toks = [torch.arange(5), torch.arange(6)]
+    plan = mp.plan(mp.Batch([5, 6]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=64, pad_row_to_multiple_of=4))
+    p = pack_micro(plan.steps[0].micros[0][0], toks)
+    assert p.num_tokens == 12
+    for q in range(2):
+        s = p.cp_shard(q, cp_size=2)
+        assert s.num_tokens == 6
+        s.validate()
+
+
 def test_placeholder_and_tiny_rows_give_every_member_a_query():
     plan = mp.plan(mp.Batch([3]), mp.PlanConfig(dp_size=2, max_tokens_per_micro=8))
     ph = next(m for row in plan.steps[0].micros for m in row if m.is_placeholder)

@@ -86,8 +86,10 @@ def test_planner_and_shard_count_the_same_rows_at_c_times_cap(kind, row, c):
     assert m.cp_size == c and m.indices.tolist() == list(range(len(lens)))
     p = pack_micro(m, _tokens(lens, parent, shared))
     assert p.num_tokens == m.num_tokens == c * cap
-    rows = [p.cp_shard(q, cp_size=c).num_tokens for q in range(c)]
-    assert rows == [cap] * c == [gpu_tokens(m.num_tokens, c)] * c
+    shards = [p.cp_shard(q, cp_size=c) for q in range(c)]
+    for s in shards:
+        s.validate()  # a shard of a row padded to a row multiple too
+    assert [s.num_tokens for s in shards] == [cap] * c == [gpu_tokens(m.num_tokens, c)] * c
 
 
 def test_a_grpo_tree_of_c_times_cap_stays_whole_under_fixed_cp():
