@@ -6,13 +6,14 @@
 ``ContextParallel(max_size=4)``: ``dp_size`` counts every GPU of the DP×CP plane, and the plan
 cuts each micro slot into power-of-two CP groups (never empty) so that no GPU holds more than
 ``max_tokens_per_micro``, choosing the widths by predicted time. For these rollouts (24 samples
-of 12-115 tokens, a cap of 160 per GPU) the fastest choice is one group of all 4 GPUs in every
-slot of both steps, so one CP process group is created in step 0 and reused in step 1 (another
-batch may mix widths; the recipe below does not change). It prints, the errors varying in
-their last digit::
+of 12-115 tokens, a cap of 160 per GPU: a group of c GPUs holds c × 160 tokens) the fastest
+choice is one slot of two 2-GPU groups in step 0 and two slots of one 4-GPU group in step 1, so
+three CP process groups are created, once, for the plan (another batch mixes widths within a
+slot; the recipe below does not change). It prints, the errors varying
+in their last digit::
 
-    OK step 0: K=2 micro slots, CP sizes [4], 1 CP process group, 8 sharded micro-batch runs, gradient relative error vs per-sample reference 3.3e-16
-    OK step 1: K=2 micro slots, CP sizes [4], 1 CP process group, 8 sharded micro-batch runs, gradient relative error vs per-sample reference 3.8e-16
+    OK step 0: K=1 micro slots, CP sizes [2], 3 CP process groups, 4 sharded micro-batch runs, gradient relative error vs per-sample reference 3.4e-16
+    OK step 1: K=2 micro slots, CP sizes [4], 3 CP process groups, 8 sharded micro-batch runs, gradient relative error vs per-sample reference 3.8e-16
 
 Each rank: ``plan_distributed`` over the plane → ``exchange_samples`` (every member of a CP group
 receives its micro-batch's samples) → one process group per distinct CP group, created by every
