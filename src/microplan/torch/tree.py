@@ -162,7 +162,7 @@ def check_tree(packed: Any) -> None:
         raise PlanError(f"prev_index must hold U={U} rows in -1..U-1.")
     has = prev >= 0
     shard = getattr(packed, "cp", None) is not None  # a CP shard: a predecessor may live on a peer (cp_shard.py)
-    if not torch.equal(has, pos > 0) and not (shard and not bool((has & (pos == 0)).any())):
+    if bool((has & (pos == 0)).any()) if shard else not torch.equal(has, pos > 0):
         raise PlanError("prev_index must be -1 exactly at position 0 (a token with no predecessor).")
     if bool((pos[prev[has]] != pos[has] - 1).any()):
         raise PlanError("each token's predecessor must sit one position before it on its path.")
