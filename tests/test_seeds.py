@@ -254,7 +254,7 @@ def test_dynamic_cp_error_names_the_target(short_step):
     with pytest.raises(mp.PlanError) as exc:
         mp.plan(batch, cfg)
     msg = str(exc.value)
-    assert "step 0" in msg and "1 samples" in msg and "short_step='pad'" in msg, msg
+    assert "step 0" in msg and "1 sample " in msg and "short_step='pad'" in msg, msg
     assert re.search(r"\b2\b", msg), f"the target (at least 2 samples, one per CP group) is not named: {msg}"
     plan = mp.plan(batch, mp.PlanConfig(dp_size=4, max_tokens_per_micro=1, context_parallel=mp.ContextParallel(max_size=2)))
     plan.validate()

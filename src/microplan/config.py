@@ -17,11 +17,14 @@ from ._checks import int_field as _int_field
 from .cost.models import CostModel, FlopsCost, TokenCost, cost_from_dict
 from .cost.vision import VisionCost
 from .errors import PlanError
-from .footprint import LAYOUTS, Layout
 from .memory.config import check_memory, memory_dict, memory_from_config_dict
 from .memory.model import MemoryModel
 
 __all__ = ["Steps", "Loss", "PlanConfig", "LOSS_MODES", "ContextParallel"]
+
+#: The layouts a micro-batch may take (``footprint.py`` computes what each occupies).
+LAYOUTS: tuple[str, ...] = ("varlen", "padded", "padded-2d")
+Layout = Literal["varlen", "padded", "padded-2d"]
 
 _INT_FIX = {
     "Steps.num_steps": "ask for a positive number of optimizer steps, e.g. Steps(num_steps=4).",

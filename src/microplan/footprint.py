@@ -33,31 +33,26 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ._intmath import cdiv, round_up
+from .config import LAYOUTS, Layout, PlanConfig
 from .errors import PlanError
+from .fixes import too_long_fixes
 
 from .cost.models import bin_costs as _bin_costs
 from .cost.models import row_costs
 
 if TYPE_CHECKING:  # pragma: no cover
     from .batch import Batch
-    from .config import PlanConfig
     from .cost.models import CostModel
     from .prefix import PrefixTree
 
 __all__ = ["LAYOUTS", "Layout", "Padding", "Footprint", "footprint_of", "padding_of", "packing_cap", "round_up",
            "micro_footprint", "check_fits", "bin_footprint", "gpu_tokens"]
 
-LAYOUTS: tuple[str, ...] = ("varlen", "padded", "padded-2d")
-Layout = Literal["varlen", "padded", "padded-2d"]
-
-
-def round_up(x: Any, m: int) -> Any:
-    """x rounded up to a multiple of m (ints or int arrays)."""
-    return -(-x // m) * m
 
 
 @dataclass(frozen=True)
@@ -276,7 +271,7 @@ def gpu_tokens(row_tokens: Any, cp_size: Any) -> Any:
     c × ``max_tokens_per_micro`` tokens.
     """
     c = np.asarray(cp_size)
-    out = -(-np.asarray(row_tokens) // np.maximum(c, 1))
+    out = cdiv(np.asarray(row_tokens), np.maximum(c, 1))
     return int(out) if out.ndim == 0 else out
 
 
@@ -306,8 +301,7 @@ def check_fits(fp: Footprint, config: PlanConfig, *, tokens: bool = True) -> Non
             f" ({int(fp.seq_lens[j])} tokens padded to {int(alone[j])} by layout={fp.padding.layout!r}, " \
             f"pad_to_multiple_of={fp.padding.sample_multiple}, pad_row_to_multiple_of={fp.padding.row_multiple})"
         raise PlanError(f"sample {j} occupies {int(alone[j])} tokens{pad}, more than one micro-batch may hold "
-                        f"({where}); raise max_tokens_per_micro, enable context_parallel, lower the padding "
-                        "multiples, or truncate the sample.")
+                        f"({where}); {too_long_fixes(config, padded=bool(pad))}.")
     _check_vision(fp, config)
 
 

@@ -9,17 +9,17 @@ Design note. Steps are cut first (groups atomic), then each step runs the same f
               its bytes under a memory model: ``memory/check.py`` (a byte budget chooses the
               token cap: ``memory/plan.py``)
 3. placement  where an atom may go: any rank (global) or the rank that holds it (local)
-4. fit        K by predicted time, pack under the cap, ``short_step`` (``stages/fit.py``, ``local.py``)
-5. arrange    bins into the ranks × slots grid (``stages/place.py``, ``assign.py``)
-6. cp         dynamic context parallel: CP groups per slot (``stages/cp.py``; it packs with widths)
+4. fit        K by predicted time, pack under the cap, ``short_step`` (``stages/fit.py``, ``local.py``;
+              under dynamic context parallel ``stages/cp.py``, which also gives each bin a CP width)
+5. arrange    bins into the ranks × slots grid (``stages/place.py``, ``assign.py``; a CP group's ranks
+              share its bin)
+6. cp         static CP divides each bin over its group; dynamic CP's widths came with the fit
 7. order      pipeline order of each rank's micro-batches (``stages/pipeline.py``)
 8. weigh      loss scales that make the step's gradient exact (``stages/build.py``, ``weigh.py``)
 
 No I/O, no collectives, no global state: any process that holds the same batch and config
 computes the same plan, bit for bit. What cannot compose for a physical reason is refused in
-``config.py`` and listed in docs/planner.md. Measured: a 16,384-sample step at dp=128 plans in
-~9.6 ms of CPU time on the shared 2-core VM at load ~5 (14 ms after issue 20's first speed pass,
-27 ms before it; benchmarks/bench_speed.py has the wall times beside slime's and verl's).
+``config.py`` and listed in docs/planner.md. Every step records its K choice (``Step.choice``).
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ from .plan import Plan
 from .stats import step_cost_grid
 from .stages.build import build_step
 from .stages.context import PlanContext, plan_context
-from .stages.cp import plan_dynamic_cp_step
-from .stages.granularity import best_dynamic_cp, best_layout
+from .stages.granularity import best_layout
 from .stages.pipeline import order_step
 from .stages.steps import split_steps
 from .types import Step
@@ -82,18 +81,11 @@ def _build_plan(batch: Batch, config: PlanConfig, min_micro_count: int | None, l
 
 def _plan_step(s: int, samples: np.ndarray, ctx: PlanContext) -> tuple[Step, np.ndarray]:
     """One step through the flow of the module note."""
-    cfg = ctx.cfg
-    if cfg.context_parallel is not None and cfg.context_parallel.dynamic:   # fit + arrange + cp with widths
-        if cfg.share_prefixes:                                          # tree atoms or samples, by time
-            step, dropped = best_dynamic_cp(s, samples, ctx)[:2]
-        else:
-            step, dropped = plan_dynamic_cp_step(s, samples, ctx.batch, ctx.costs, cfg, ctx.fp)[:2]
-    else:
-        lay = best_layout(s, samples, ctx)          # atoms → footprint → placement → K → pack → arrange
-        step, dropped = build_step(s, lay, ctx), lay.dropped_samples   # micro-batches, weigh
-    if cfg.pipeline_stages > 1:                     # order: least predicted pipeline time per rank
-        step = order_step(step, step_cost_grid(ctx.batch, cfg, step, ctx.fp), cfg)
-    return step, dropped
+    lay = best_layout(s, samples, ctx)     # atoms → footprint → placement → K (CP widths) → pack → arrange
+    step = build_step(s, lay, ctx)         # micro-batches, weigh
+    if ctx.cfg.pipeline_stages > 1:        # order: least predicted pipeline time per rank
+        step = order_step(step, step_cost_grid(ctx.batch, ctx.cfg, step, ctx.fp), ctx.cfg)
+    return step, lay.dropped_samples
 
 
 def _drop_reason(s: int, cfg: PlanConfig) -> str:

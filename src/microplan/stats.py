@@ -28,8 +28,9 @@ import numpy as np
 
 from .batch import Batch
 from .config import PlanConfig
-from .cost.cp import cp_micro_costs, cp_work_floor
-from .cost.models import CostModel, bin_costs, is_additive, placeholder_cost, row_costs
+from .cost.cp import cp_work_floor
+from .cost.gpu import gpu_costs
+from .cost.models import CostModel, bin_costs, is_additive, row_costs
 from .footprint import Footprint, bin_footprint, footprint_of, packing_cap
 from .prefix import PrefixTree, forest_of, micro_tree
 from .stages.assign import grid_time
@@ -55,11 +56,8 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint |
     # row pad) with share_prefixes, the layout's rows otherwise
     forest = forest_of(batch) if config.share_prefixes else None
     tokens, mc = bin_footprint(fp, cost, idx, owner, len(flat), forest=forest)
-    empty = sizes == 0  # placeholders: one dummy token
-    mc[empty] = placeholder_cost(cost)
-    tokens = np.where(empty, 1, tokens)
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
-    return cp_micro_costs(cost, mc, tokens, width).reshape(D, K)
+    return gpu_costs(cost, mc, tokens, width, empty=sizes == 0).reshape(D, K)  # placeholders: one dummy token
 
 
 def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:

@@ -28,20 +28,39 @@ one-line form).
 from __future__ import annotations
 
 import textwrap
-from typing import TYPE_CHECKING, Any, NamedTuple
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import numpy as np
 
 if TYPE_CHECKING:
     from .batch import Batch
-    from .plan import Plan
-    from .types import KChoice
+    from .types import KChoice, Step
 
 __all__ = ["format_summary", "describe_batch", "cost_unit", "CostUnit", "sig", "count", "short_repr", "LEGEND",
            "placeholder_warning", "PLACEHOLDER_WARN_RATIO"]
 
 #: Placeholders per real micro-batch above which the summary warns (most GPUs would idle).
 PLACEHOLDER_WARN_RATIO = 4
+
+
+
+class PlanView(Protocol):
+    """What the summary reads of a plan (``plan.Plan`` has it; this module never imports plan.py,
+    which imports it)."""
+
+    batch: Batch
+    config: Any
+    steps: Sequence[Step]
+    dropped: np.ndarray
+    drop_reasons: Mapping[int, str]
+    kind: str
+
+    @property
+    def stats(self) -> Any: ...
+
+    def fingerprint(self) -> str: ...
+
 
 _MAX_TABLE_ROWS = 12
 _LABEL = 23  # width of the left column
@@ -151,7 +170,7 @@ def _row(label: str, text: str, width: int = 110) -> str:
                          break_on_hyphens=False)
 
 
-def _padding(plan: Plan) -> tuple[int, int] | None:
+def _padding(plan: PlanView) -> tuple[int, int] | None:
     """(padding tokens, tokens held) over the plan, or None when the config cannot pad."""
     cfg, st = plan.config, plan.stats
     if cfg.share_prefixes or (cfg.layout == "varlen" and cfg.pad_to_multiple_of == 1 and cfg.pad_row_to_multiple_of == 1):
@@ -159,7 +178,7 @@ def _padding(plan: Plan) -> tuple[int, int] | None:
     return st.tokens_with_sharing - st.tokens_without_sharing, st.tokens_with_sharing
 
 
-def _choice_step(plan: Plan) -> Any:
+def _choice_step(plan: PlanView) -> Any:
     """The most telling step for the why-K line: the first whose K is not simply K_lb."""
     steps = [s for s in plan.steps if s.choice is not None]
     if not steps:
@@ -180,6 +199,9 @@ def why_k(choice: KChoice, cfg: Any, unit: CostUnit, k_lb: int | None = None) ->
     if unpacked:
         ks = ", ".join(map(str, unpacked))
         no_fit = f"with K = {ks} no packing of the step's whole samples under {cap} was found"
+    if getattr(cfg, "micro_batch_size", None) is not None:
+        return (f"K = {K}: static batching fixes it (the fewest micro-batches per rank that hold the samples "
+                f"micro_batch_size={cfg.micro_batch_size} at a time, align={cfg.align}).")
     if K == K0 and len(finite) <= 1:
         return f"K = {K}, {low}: the fewest micro-batches per rank the cap allows, and the samples pack into them."
     if len(finite) <= 1:
@@ -194,7 +216,7 @@ def why_k(choice: KChoice, cfg: Any, unit: CostUnit, k_lb: int | None = None) ->
     return f"K = {K} ({low}) has the lowest predicted step time of the K tried ({tried}){rest}.{why}"
 
 
-def _dropped_lines(plan: Plan) -> list[str]:
+def _dropped_lines(plan: PlanView) -> list[str]:
     by_reason: dict[str, list[int]] = {}
     for i, why in plan.drop_reasons.items():
         by_reason.setdefault(why, []).append(i)
@@ -205,7 +227,7 @@ def _dropped_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def _step_table(plan: Plan, padded: bool) -> list[str]:
+def _step_table(plan: PlanView, padded: bool) -> list[str]:
     ss = plan.stats.steps
     head = "   step   samples    tokens     K  K_lb  max tok/GPU  lockstep/LB  step-sync/LB  placeholders"
     rows = [head + ("   padding" if padded else "")]
@@ -221,7 +243,7 @@ def _step_table(plan: Plan, padded: bool) -> list[str]:
     return rows
 
 
-def _time_lines(plan: Plan, unit: CostUnit) -> list[str]:
+def _time_lines(plan: PlanView, unit: CostUnit) -> list[str]:
     st, cfg = plan.stats, plan.config
     lb = st.time_lower_bound
     ratio = (lambda t: f"{t / lb:.3f}× LB") if lb > 0 else (lambda t: "LB n/a")
@@ -241,7 +263,7 @@ def _time_lines(plan: Plan, unit: CostUnit) -> list[str]:
     return lines
 
 
-def _cp_text(plan: Plan) -> str:
+def _cp_text(plan: PlanView) -> str:
     """CP groups by width, the samples that fit one GPU but run split, and how a split is priced."""
     from .footprint import footprint_of
     cfg = plan.config
@@ -259,7 +281,7 @@ def _cp_text(plan: Plan) -> str:
             f"{price}")
 
 
-def placeholder_warning(plan: Plan) -> str | None:
+def placeholder_warning(plan: PlanView) -> str | None:
     """One sentence when the plan's placeholders outnumber its real micro-batches more than
     ``PLACEHOLDER_WARN_RATIO`` times (more ranks than the batch can keep busy), else None."""
     st = plan.stats
@@ -274,7 +296,7 @@ def placeholder_warning(plan: Plan) -> str | None:
             "can use; plan them on fewer ranks, or put more samples in each step.")
 
 
-def format_summary(plan: Plan) -> str:
+def format_summary(plan: PlanView) -> str:
     """The readable multi-line summary of a plan (what ``Plan.summary()`` returns and the CLI prints)."""
     st, cfg = plan.stats, plan.config
     unit = cost_unit(cfg)
@@ -323,7 +345,7 @@ def format_summary(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def _memory_lines(plan: Plan) -> list[str]:
+def _memory_lines(plan: PlanView) -> list[str]:
     """With a memory model: the largest predicted peak against the byte budget, the margin, the source."""
     cfg, st = plan.config, plan.stats
     if cfg.memory is None or st.max_micro_bytes is None:
@@ -337,7 +359,7 @@ def _memory_lines(plan: Plan) -> list[str]:
                  f"{m.describe()}")]
 
 
-def short_repr(plan: Plan) -> str:
+def short_repr(plan: PlanView) -> str:
     """One line that fits a screen: sizes, K vs its bound, predicted time vs its bound."""
     st, cfg = plan.stats, plan.config
     unit = cost_unit(cfg)

@@ -278,7 +278,8 @@ class Step:
         micros: ``micros[rank][m]`` is the m-th micro-batch rank ``rank`` runs in this step.
         samples: int64 global indices of every sample that trains in this step (sorted).
         choice: why the step runs K micro-batches per rank (the K tried and their predicted
-            times); None for static batching and dynamic context parallel.
+            times). The planner sets it on every step (static batching: the K its count fixes);
+            None only in plans read from JSON written without it.
     """
 
     index: int

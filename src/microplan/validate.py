@@ -29,6 +29,7 @@ from operator import attrgetter, ne
 
 import numpy as np
 
+from ._intmath import cdiv
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError
@@ -76,7 +77,7 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
         _fail(f"{where}: the micro-batch's layout/padding rules differ from the config's ({fp.padding})")
     if cfg.max_tokens_per_micro is not None:
         # what the GPU holds: the (validated) prefix trie, or the footprint re-derived from the batch
-        held = 0 if not k else micro.tree.num_tokens if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[union-attr]
+        held = 0 if not k else fp.tree_tokens(micro.tree) if cfg.share_prefixes else fp.tokens(micro.indices)  # type: ignore[arg-type]
         gpu = gpu_tokens(held, micro.cp_size)  # the fullest GPU of its CP group: ⌈held / cp_size⌉
         if gpu > cfg.max_tokens_per_micro:
             pad = "" if held == int(micro.seq_lens.sum()) else f" (padding included, layout={cfg.layout!r})"
@@ -138,6 +139,7 @@ def validate_plan(b: Batch, cfg: PlanConfig, steps: Sequence[Step], dropped: np.
         K = step.micro_count
         flat = _Flat(step, K)
         _screen_micros(b, cfg, s, flat, fp)
+        _check_placeholders(cfg, s, flat, forward)
         if cfg.context_parallel is not None and cfg.context_parallel.dynamic:
             _check_cp_groups(step, s)
         idx = flat.idx[flat.cp_rank[flat.micro_of] == 0]
@@ -225,6 +227,26 @@ def _places_of(steps: Sequence[Step], i: int) -> list[str]:
     """Where sample ``i`` trains: ``"step s, rank r, micro m"`` per cp_rank-0 micro-batch holding it."""
     return [f"step {s}, rank {r}, micro {k}" for s, step in enumerate(steps) for r, row in enumerate(step.micros)
             for k, m in enumerate(row) if m.cp_rank == 0 and (m.indices == i).any()]
+
+
+def _check_placeholders(cfg: PlanConfig, s: int, flat: _Flat, forward: bool) -> None:
+    """The ``short_step`` rule (placeholders under ``"pad"`` only; a forward plan's own geometry
+    is a ``"pad"`` plan) and their order: without a pipeline order every rank runs its real
+    micro-batches first, placeholders after (``assign.arrange`` and ``stages/cp.py`` lay them out
+    so; under ``pipeline_stages > 1`` the pipeline order may run a cheap placeholder early)."""
+    ph = (flat.size == 0).reshape(-1, flat.K)
+    if not ph.any():
+        return
+    if cfg.short_step != "pad" and not forward:
+        r, m = (int(x[0]) for x in np.nonzero(ph))
+        _fail(f"step {s}, rank {r}, micro {m}: a placeholder micro-batch under short_step={cfg.short_step!r}, "
+              "which never pads (it drops trailing rollouts or raises); only short_step='pad' plans placeholders")
+    if cfg.pipeline_stages == 1:
+        late = ph[:, :-1] & ~ph[:, 1:]
+        if late.any():
+            r, m = (int(x[0]) for x in np.nonzero(late))
+            _fail(f"step {s}, rank {r}: placeholder micro {m} runs before the real micro-batch {m + 1}; a rank runs "
+                  "its placeholders after its real micro-batches (pipeline_stages=1)")
 
 
 def _check_zero_scales(flat: _Flat, s: int) -> None:

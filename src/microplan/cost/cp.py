@@ -45,6 +45,7 @@ import numpy as np
 
 from .._checks import float_field, int_field
 from ..errors import PlanError
+from ._bounds import check_coefficient
 
 __all__ = ["CPCost", "cp_micro_costs", "cp_work_floor", "DEFAULT_CP_EFFICIENCY", "DEFAULT_CP_OVERLAP", "DEFAULT_GPU_FLOPS"]
 
@@ -84,7 +85,6 @@ class CPCost:
     cross_node_comm_per_token: float | None = None
 
     def __post_init__(self) -> None:
-        from .models import check_coefficient  # models imports this module
         for name in ("comm_per_token", "overlap", "efficiency", "split_overhead"):
             object.__setattr__(self, name, float_field(f"CPCost.{name}", getattr(self, name), minimum=0.0))
         check_coefficient("CPCost.comm_per_token", self.comm_per_token, 1)

@@ -46,31 +46,13 @@ import numpy as np
 
 from .._checks import float_field
 from ..errors import PlanError
+from ._bounds import MAX_MICRO_COST, MAX_PRICED_TOKENS, check_coefficient  # noqa: F401 (the bounds, read here too)
 from .cp import DEFAULT_GPU_FLOPS, CPCost, cp_from_dict
 from .hf import forward_flops
 from .presets import DEFAULT_ATTENTION, DEFAULT_PER_MICRO_TOKENS, attention_kernel
 
 __all__ = ["CostModel", "TokenCost", "FlopsCost", "cost_from_dict", "micro_features", "bin_costs", "row_costs",
            "FEATURES", "is_additive", "placeholder_cost"]
-
-#: The largest micro-batch a cost model must price without overflow: 2**64 tokens, in one sample
-#: or one packed row (more than any GPU holds; Batch refuses samples over 2**40 tokens).
-MAX_PRICED_TOKENS = 2.0 ** 64
-#: The most one micro-batch may cost: float64 overflows at ~1.8e308, and step times sum up to
-#: ~1e8 micro-batch costs (ranks × micro-batches × steps), so 1e300 keeps every sum finite.
-MAX_MICRO_COST = 1e300
-
-
-def check_coefficient(name: str, value: float, power: int) -> None:
-    """Refuse a coefficient whose term alone (``value · MAX_PRICED_TOKENS**power``) would exceed a
-    quarter of :data:`MAX_MICRO_COST`: FlopsCost(quadratic=1e307) used to plan with inf costs."""
-    bound = MAX_MICRO_COST / 4 / MAX_PRICED_TOKENS ** power
-    if value > bound:
-        unit = {0: "", 1: "/token", 2: "/token²"}[power]
-        raise PlanError(f"{name}={value:.4g}{unit} exceeds {bound:.3g}{unit}: a micro-batch of up to 2**64 tokens "
-                        "would cost more than float64 can sum (predicted times would be inf); express the cost in "
-                        "larger units (seconds, or GFLOPs instead of FLOPs) so every coefficient is smaller.")
-
 
 #: The features every built-in model is linear in, in coefficient order.
 FEATURES: tuple[str, ...] = ("tokens", "sum_sq_len", "packed_sq", "num_micros")

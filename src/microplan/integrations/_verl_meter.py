@@ -33,7 +33,7 @@ import numpy as np
 from ..cost.meter import CostMeter
 from ..cost.models import CostModel, FlopsCost, TokenCost
 
-__all__ = ["STATE", "current_cost", "set_model", "wrap_engine", "unwrap_engines", "FALLBACK"]
+__all__ = ["STATE", "current_cost", "set_model", "wrap_engine", "unwrap_engines", "effective_lengths", "FALLBACK"]
 
 #: with no cost, no records and no model config: tokens plus 256 tokens' worth per micro-batch.
 FALLBACK = TokenCost(per_micro=256.0)
@@ -87,9 +87,16 @@ def unwrap_engines() -> None:
         setattr(cls, name, original)
 
 
+def effective_lengths(batch: Any) -> np.ndarray:
+    """Tokens of each row, as verl counts them: nested ``input_ids`` lengths, else the attention mask sum."""
+    ids = batch["input_ids"]
+    if getattr(ids, "is_nested", False):
+        return ids.offsets().diff().cpu().numpy().astype(np.int64)
+    return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
+
+
 def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
     import torch
-    from .verl import _effective_lengths
     cuda = torch.cuda.is_available()
     marks: list[Any] = []
     lens: list[np.ndarray] = []
@@ -110,7 +117,7 @@ def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
         n = TREE["micro_batches"]
         out = step(micro_batch, *args, **kwargs)
         # a prefix-tree micro-batch's time is not a function of its samples' lengths: not recorded
-        lens.append(_effective_lengths(micro_batch) if TREE["micro_batches"] == n else None)
+        lens.append(effective_lengths(micro_batch) if TREE["micro_batches"] == n else None)
         return out
     engine.forward_step = timed_step
     try:

@@ -66,7 +66,7 @@ from ..planner import build_plan
 from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
 from . import _verl_tree
-from ._verl_meter import current_cost, reset, unwrap_engines, wrap_engine
+from ._verl_meter import current_cost, effective_lengths as _effective_lengths, reset, unwrap_engines, wrap_engine
 from ._verl_tree import TokenCounts, token_counts
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
@@ -370,14 +370,6 @@ def _synced(dp_group: Any, same_micro_num_in_dp: bool) -> bool:
         return False
     import torch.distributed as dist
     return bool(dist.is_available() and dist.is_initialized())
-
-
-def _effective_lengths(batch: Any) -> np.ndarray:
-    """Tokens of each row, as verl counts them: nested ``input_ids`` lengths, else the attention mask sum."""
-    ids = batch["input_ids"]
-    if getattr(ids, "is_nested", False):
-        return ids.offsets().diff().cpu().numpy().astype(np.int64)
-    return batch["attention_mask"].sum(dim=1).cpu().numpy().astype(np.int64)
 
 
 def _sharing_tokens(batch: Any, force_group_size: int) -> list[Any] | None:

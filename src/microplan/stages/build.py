@@ -19,7 +19,7 @@ from ..prefix import PrefixTree, dfs_orders
 from ..trie import micro_trees
 from ..types import Micro, Step
 from .context import PlanContext
-from .micros import grid_micros
+from .micros import binned_micros, grid_micros
 from .place import Layout
 from .weigh import loss_coefficients, loss_scales
 
@@ -48,6 +48,8 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     coef = loss_coefficients(cfg.loss, *(cols if every else [c[kept] for c in cols]))
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
     cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
+    if lay.width is not None:  # dynamic CP: a group's ranks share its bin
+        return Step(s, _group_micros(lay, ctx, kept, sbin, scale), kept, choice=lay.choice)
     if not atoms.trees:  # a rank's placeholders share one (immutable) Micro
         return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
                     choice=lay.choice)
@@ -65,6 +67,33 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
             row.append(trusted(*cols, cp, 0, (r,), tree, footprint=mfp))
         micros.append(row)
     return Step(s, micros, kept, choice=lay.choice)
+
+
+def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndarray,
+                  scale: np.ndarray) -> list[list[Micro]]:
+    """Rank r's Micros under dynamic CP: bin ``grid[r, m]`` of width w runs on w consecutive ranks
+    of slot m (its CP group; an empty bin is a placeholder group), each member at its CP rank."""
+    assert lay.width is not None
+    D, K, nb = ctx.cfg.dp_size, lay.K, lay.width.size
+    if lay.atoms.trees:
+        empty = (_empty_parts(), None)
+        parts = [empty if p is None else p
+                 for p in tree_parts(ctx.parent, ctx.shared, ctx.batch, kept, sbin, nb, scale)]
+    else:
+        parts = [(p, None) for p in binned_micros(kept, sbin, nb, scale, ctx.batch)]
+    width = lay.width.tolist()
+    micros: list[list[Micro]] = [[None] * K for _ in range(D)]  # type: ignore[list-item]
+    for m in range(K):
+        col = lay.grid[:, m].tolist()
+        r = 0
+        while r < D:
+            b, w = col[r], width[col[r]]
+            group = tuple(range(r, r + w))
+            cols, tree = parts[b]
+            for q in range(w):
+                micros[r + q][m] = Micro._trusted(*cols, w, q, group, tree, footprint=ctx.mfp)  # type: ignore[arg-type]
+            r += w
+    return micros
 
 
 def tree_parts(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,

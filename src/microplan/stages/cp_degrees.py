@@ -15,18 +15,17 @@ the sample and the fixes.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 
 import numpy as np
 
+from .._intmath import cdiv, round_up
 from ..config import PlanConfig
 from ..cost.cp import cp_micro_costs
 from ..errors import PlanError
+from ..fixes import too_long_fixes
 
-__all__ = ["group_room", "cp_degrees", "per_gpu_cost", "cp_increments", "balanced_degrees", "cdiv"]
-
-
-def cdiv(x: int, d: int) -> int:
-    return -(-x // d)
+__all__ = ["group_room", "cp_degrees", "per_gpu_cost", "cp_increments", "balanced_degrees"]
 
 
 def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
@@ -38,20 +37,22 @@ def group_room(width: np.ndarray | int, cfg: PlanConfig) -> np.ndarray | int:
     return full if r == 1 else full // r * r
 
 
-def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig) -> np.ndarray:
+def cp_degrees(lens: np.ndarray, samples: np.ndarray, cfg: PlanConfig, *,
+               name: Callable[[int], str] | None = None) -> np.ndarray:
     """Smallest power-of-two CP degree per sample that keeps each GPU under the cap (``lens``:
     what each sample occupies, its padding included; its row is rounded up to the row multiple):
-    ⌈row/d⌉ ≤ cap."""
+    ⌈row/d⌉ ≤ cap. ``name(j)``: how a refusal names unit j (default: "sample i has L tokens")."""
     cap, cmax = cfg.max_tokens_per_micro, cfg.context_parallel.max_size  # type: ignore[union-attr]
     row = _row(lens, cfg)
-    need = -(-row // cap)  # type: ignore[operator]
+    need = cdiv(row, cap)  # type: ignore[operator]
     deg = np.left_shift(1, np.ceil(np.log2(np.maximum(need, 1))).astype(np.int64))
     deg = np.where(deg < need, deg * 2, deg)  # guard float rounding
     if lens.size and deg.max() > cmax:
         j = int(np.argmax(deg))
-        raise PlanError(f"sample {int(samples[j])} has {int(lens[j])} tokens: it needs {int(deg[j])} GPUs at "
-                        f"max_tokens_per_micro={cap}, more than ContextParallel.max_size={cmax}; raise max_size "
-                        "(and dp_size), raise max_tokens_per_micro, or truncate the sample.")
+        who = name(j) if name is not None else f"sample {int(samples[j])} has {int(lens[j])} tokens"
+        raise PlanError(f"{who}: it needs {int(deg[j])} GPUs at max_tokens_per_micro={cap}, more than "
+                        f"ContextParallel.max_size={cmax}; "
+                        f"{too_long_fixes(cfg, padded=cfg.pad_row_to_multiple_of > 1 or cfg.pad_to_multiple_of > 1)}.")
     return deg
 
 
@@ -80,7 +81,7 @@ def cp_increments(cfg: PlanConfig, width: np.ndarray) -> tuple[np.ndarray, np.nd
 def _row(lens: np.ndarray, cfg: PlanConfig) -> np.ndarray:
     """Each sample's row alone: its tokens rounded up to the row multiple."""
     r = cfg.pad_row_to_multiple_of
-    return -(-lens // r) * r
+    return round_up(lens, r)
 
 
 def balanced_degrees(lens: np.ndarray, costs: np.ndarray, deg: np.ndarray, gpu_slots: int, cap: int,

@@ -1,7 +1,7 @@
 """What dynamic context parallel packs: samples, or prefix-tree atoms (``share_prefixes``).
 
 Design note. ``stages/cp.py`` chooses CP widths and packs *units* into CP groups; this module
-says what a unit is and turns a bin of every unit back into micro-batches:
+says what a unit is and prices a bin of every unit:
 
 - flat rows: one unit per sample (its padded length, additive cost, rollout);
 - tree rows (``share_prefixes``): one unit per atom of ``stages/atoms.py`` (a tree or a tree
@@ -10,8 +10,8 @@ A GPU of a group of w computes ⌈U/w⌉ rows of the group's row of U tokens
 (``footprint.gpu_tokens``), so a group holds w × cap tokens.
 
 :class:`Binner` maps a bin of each kept unit to each bin's cost and footprint (``fp.bin_costs``,
-or ``footprint.bin_footprint`` of the union trie) and to Micro columns (ascending samples, or
-depth-first with the bin's trie: ``build.tree_parts``). Cost: O(samples) plus one trie pass.
+or ``footprint.bin_footprint`` of the union trie); ``build.build_step`` turns the chosen bins into
+micro-batches as it does for every layout. Cost: O(samples) plus one trie pass.
 """
 
 from __future__ import annotations
@@ -24,10 +24,9 @@ from ..batch import Batch
 from ..config import PlanConfig
 from ..footprint import Footprint, bin_footprint
 from .atoms import Atoms
-from .build import tree_parts
-from .micros import binned_micros
+from .context import PlanContext
 
-__all__ = ["CPUnits", "sample_units", "atom_units", "Binner"]
+__all__ = ["CPUnits", "sample_units", "atom_units", "Binner", "describe_atom"]
 
 
 class CPUnits(NamedTuple):
@@ -53,13 +52,13 @@ def atom_units(atoms: Atoms) -> CPUnits:
 
 
 class Binner:
-    """Bins of kept units → bin costs, footprints and Micro columns (module note)."""
+    """Bins of kept units → each bin's cost and footprint (module note)."""
 
-    def __init__(self, units: CPUnits, keep: np.ndarray, samples: np.ndarray, batch: Batch, fp: Footprint,
-                 cfg: PlanConfig, forest: tuple[np.ndarray, np.ndarray] | None) -> None:
-        self.batch, self.fp, self.cfg, self.forest = batch, fp, cfg, forest
+    def __init__(self, units: CPUnits, keep: np.ndarray, ctx: PlanContext) -> None:
+        self.fp, self.cfg = ctx.fp, ctx.cfg
+        self.forest = None if units.atoms is None else (ctx.parent, ctx.shared)
         if units.atoms is None:
-            members, rep = samples[keep], np.arange(keep.size, dtype=np.int64)
+            members, rep = units.label[keep], np.arange(keep.size, dtype=np.int64)
         else:
             a = units.atoms
             members = a.samples_of(keep)
@@ -67,23 +66,25 @@ class Binner:
         order = np.argsort(members, kind="stable")
         self.kept, self.rep = members[order], rep[order]  # ascending samples, their unit's position in keep
 
-    def sample_bin(self, unit_bin: np.ndarray) -> np.ndarray:
-        return unit_bin[self.rep]
-
     def costs_tokens(self, unit_bin: np.ndarray, nb: int) -> tuple[np.ndarray, np.ndarray]:
         """(predicted cost, footprint tokens) of every bin (per_micro included)."""
-        sb = self.sample_bin(unit_bin)
+        sb = unit_bin[self.rep]
         if self.forest is None:
             return (self.fp.bin_costs(self.cfg.cost, self.kept, sb, nb),  # type: ignore[arg-type]
                     self.fp.bin_tokens(self.kept, sb, nb))
         tokens, costs = bin_footprint(self.fp, self.cfg.cost, self.kept, sb, nb, forest=self.forest)  # type: ignore[arg-type]
         return costs, tokens
 
-    def parts(self, unit_bin: np.ndarray, nb: int, scale: np.ndarray) -> list[tuple[tuple, object]]:
-        """Per bin: (the four Micro columns, its prefix trie or None); ``scale`` aligned with ``kept``."""
-        sb = self.sample_bin(unit_bin)
-        if self.forest is None:
-            return [(p, None) for p in binned_micros(self.kept, sb, nb, scale, self.batch)]
-        empty = binned_micros(self.kept[:0], sb[:0], 1, scale[:0], self.batch)[0]
-        return [(empty, None) if t is None else t
-                for t in tree_parts(self.forest[0], self.forest[1], self.batch, self.kept, sb, nb, scale)]
+
+def describe_atom(atoms: Atoms, j: int, tokens: int, ctx: PlanContext) -> str:
+    """How a refusal names tree atom ``j`` of ``tokens`` tokens: its samples, and what its tokens
+    count (a lone sample's path through the trie, segments padded to the sample multiple)."""
+    members = atoms.samples_of(np.array([j], dtype=np.int64))
+    m = ctx.fp.padding.sample_multiple
+    pad = f", each trie segment padded to pad_to_multiple_of={m}" if m > 1 else ""
+    if members.size == 1:
+        i = int(members[0])
+        return (f"sample {i} ({int(ctx.batch.seq_lens[i])} tokens) occupies {tokens} tokens with share_prefixes (its "
+                f"path through the trie, the segments it shares with its ancestors included{pad})")
+    head = ", ".join(map(str, members[:6].tolist())) + (", ..." if members.size > 6 else "")
+    return f"the prefix tree of samples {head} occupies {tokens} tokens with share_prefixes (its trie{pad})"

@@ -32,11 +32,13 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .._intmath import cdiv, round_up
 from ..config import PlanConfig
-from ..cost.cp import cp_micro_costs
+from ..cost.gpu import gpu_bin_costs
 from ..cost.models import CostModel, bin_costs, is_additive
 from ..errors import PlanError
 from .._sort import stable_argsort_via
+from ..fixes import too_long_fixes
 from ..footprint import packing_cap
 from .exact import EXACT_MAX_SAMPLES, exact_pack, first_fit_decreasing
 from .assign import arrange, grid_time
@@ -48,33 +50,13 @@ from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_
 from .padded import PaddedSamples, pack_padded
 from .pipeline import slot_order, step_pipeline_time
 from .refine import refine_bins
+from .fitted import Fit, Slots
+from .short import drop_trailing, rollout_order
 
-__all__ = ["StepFit", "Slots", "fit_step", "effective_cap", "slot_targets", "fill_targets", "min_micro_count", "pack_at",
+__all__ = ["Fit", "Slots", "fit_step", "effective_cap", "slot_targets", "fill_targets", "min_micro_count", "pack_at",
            "check_cap", "adjusted_slope", "round_up", "cdiv"]
 
 FFD_MAX_SAMPLES = 4096  # first-fit-decreasing fallback is O(n·m) numpy: only for steps up to this size
-
-
-class Slots(NamedTuple):
-    """A packing's per-GPU micro-batch costs and their slot grid (``assign.arrange``), kept with the
-    packing: the K timer and the layout re-use the grid when they price the same costs (an arrange
-    is ~0.3 ms at dp 128, K 18; usually all three see the same costs)."""
-
-    bin_of: np.ndarray        # the packing they belong to
-    costs: np.ndarray         # per-GPU cost of each of the dp·K micro-batches
-    grid: np.ndarray          # arrange(costs, dp, K)
-
-
-class StepFit(NamedTuple):
-    """Result for one step; positions are local (into the step's sample array)."""
-
-    bin_of: np.ndarray        # bin id of each kept sample (aligned with ``kept``)
-    kept: np.ndarray          # local positions that train
-    dropped: np.ndarray       # local positions dropped by short_step="drop"
-    num_bins: int             # real (non-placeholder) micro-batches
-    micro_count: int          # K per rank; dp·K - num_bins placeholders
-    choice: KChoice | None = None  # why K (None for static batching)
-    slots: Slots | None = None     # the packing's costs and grid as the K choice arranged them, if known
 
 
 class _Packing(NamedTuple):
@@ -83,14 +65,6 @@ class _Packing(NamedTuple):
     K: int
     choice: KChoice | None
     slots: Slots | None = None
-
-
-def cdiv(x, d):  # ceil division for ints and int arrays
-    return -(-x // d)
-
-
-def round_up(x, a):
-    return cdiv(x, a) * a
 
 
 def min_micro_count(x, cfg: PlanConfig):
@@ -176,9 +150,8 @@ def _pipeline_time(bin_of: np.ndarray, m: int, K: int, lens: np.ndarray, costs: 
     assert cost is not None
     nb = D * K
     tokens = np.bincount(bin_of, weights=lens, minlength=nb)
-    mc = bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), tokens, np.bincount(bin_of, minlength=nb))
-    if cfg.static_cp_size > 1:
-        mc = cp_micro_costs(cost, mc, tokens, cfg.static_cp_size)
+    mc = gpu_bin_costs(cost, np.bincount(bin_of, weights=costs, minlength=nb), tokens, np.bincount(bin_of, minlength=nb),
+                       cfg.static_cp_size)
     grid = mc[arrange(mc, D, K)]
     order = slot_order(grid, cfg, search=search)
     return step_pipeline_time(grid[:, order], cfg)
@@ -247,10 +220,7 @@ def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: P
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     additive, tokens, count = _bin_sums(bin_of, lens, costs, D * K)
-    mc = bin_costs(cost, additive, tokens, count)
-    width = cfg.static_cp_size
-    if width > 1:
-        mc = cp_micro_costs(cost, mc, tokens, width)
+    mc = gpu_bin_costs(cost, additive, tokens, count, cfg.static_cp_size)
     grid = arrange(mc, D, K)
     out = refine_lockstep(bin_of, grid, lens, costs, cost, cap, extra=extra, sums=(additive, tokens, count))
     if slots is not None and (out is bin_of or np.array_equal(out, bin_of)):  # no move: the same costs and grid
@@ -344,20 +314,17 @@ def check_cap(lens: np.ndarray, step_samples: np.ndarray, cfg: PlanConfig) -> No
     cp = cfg.static_cp_size
     where = f"max_tokens_per_micro={cfg.max_tokens_per_micro}" + (f" × cp size {cp} = {cap}" if cp > 1 else "")
     raise PlanError(f"sample {int(step_samples[j])} has {int(lens[j])} tokens, more than one micro-batch may "
-                    f"hold ({where}); raise max_tokens_per_micro, enable context_parallel, or truncate "
-                    "the sample.")
+                    f"hold ({where}); {too_long_fixes(cfg, padded=False)}.")
 
 
 def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray,
-             rollouts: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> StepFit:
+             rollouts: np.ndarray, cfg: PlanConfig, layout: StepLayout | None = None) -> Fit:
     """Lay out one step's samples (global ``samples`` with their ``lens``/``costs``/rollout codes;
     ``layout``: the step's view of a non-plain footprint, see ``stages/layout.py``)."""
     check_cap(lens, samples, cfg)
     bin_of, m, K, choice, slots = _pack(lens, costs, cfg, layout)
-    all_pos = np.arange(lens.size, dtype=np.int64)
-    none = np.zeros(0, dtype=np.int64)
     if m == cfg.dp_size * K or cfg.short_step == "pad":
-        return StepFit(bin_of, all_pos, none, m, K, choice, slots)
+        return Fit(np.arange(lens.size, dtype=np.int64), bin_of, K, choice, m, slots=slots, short=m < cfg.dp_size * K)
     if cfg.short_step == "drop":
         return _drop_trailing(step, lens, costs, rollouts, cfg, layout)
     raise PlanError(_short_message(step, lens.size, K, cfg)
@@ -366,36 +333,35 @@ def fit_step(step: int, samples: np.ndarray, lens: np.ndarray, costs: np.ndarray
 
 
 def _drop_trailing(step: int, lens: np.ndarray, costs: np.ndarray, rollouts: np.ndarray,
-                   cfg: PlanConfig, layout: StepLayout | None = None) -> StepFit:
-    """Keep the longest prefix of whole rollouts that needs no placeholder."""
+                   cfg: PlanConfig, layout: StepLayout | None = None) -> Fit:
+    """Keep the longest prefix of whole rollouts that needs no placeholder (``short.drop_trailing``)."""
     D, a = cfg.dp_size, cfg.align
-    codes, inverse = np.unique(rollouts, return_inverse=True)  # codes ascend in first-appearance order
-    R = codes.size
-    n_r = np.bincount(inverse, minlength=R)
-    kept_n = np.cumsum(n_r)
+    order = rollout_order(rollouts)
+    R = int(order.max()) + 1
+    kept_n = np.cumsum(np.bincount(order, minlength=R))
     if cfg.micro_batch_size is not None:
         m_lb = cdiv(kept_n, cfg.micro_batch_size)
     else:
         cap = effective_cap(cfg)
         assert cap is not None
-        tok = np.cumsum(np.bincount(inverse, weights=lens, minlength=R))
-        big = np.cumsum(np.bincount(inverse, weights=2 * lens > cap, minlength=R))
+        tok = np.cumsum(np.bincount(order, weights=lens, minlength=R))
+        big = np.cumsum(np.bincount(order, weights=2 * lens > cap, minlength=R))
         m_lb = np.maximum(np.maximum(np.ceil(tok / cap), big), 1).astype(np.int64)
     K_lb = min_micro_count(cdiv(m_lb, D), cfg)
-    for keep in range(R - 1, 0, -1):  # keep = number of rollouts kept
-        n_keep = int(kept_n[keep - 1])
-        if n_keep < D * a:
-            break
-        if D * int(K_lb[keep - 1]) > n_keep:
-            continue
-        pos = np.flatnonzero(inverse < keep).astype(np.int64)
-        bin_of, m, K, choice, slots = _pack(lens[pos], costs[pos], cfg, None if layout is None else layout.take(pos))
-        if m == D * K:
-            return StepFit(bin_of, pos, np.flatnonzero(inverse >= keep).astype(np.int64), m, K, choice, slots)
-    raise PlanError(_short_message(step, lens.size, None, cfg)
-                    + f" short_step='drop' found no prefix of whole rollouts (of {R}) whose samples fill "
-                    f"dp_size × align = {D * a}-aligned micro-batches. Change the step size (Steps) or samples per "
-                    "rollout so a kept prefix aligns, raise max_tokens_per_micro, or use short_step='pad'.")
+
+    def attempt(pos: np.ndarray) -> _Packing | None:
+        got = _pack(lens[pos], costs[pos], cfg, None if layout is None else layout.take(pos))
+        return got if got.num_bins == D * got.K else None
+
+    got = drop_trailing(order, attempt, ruled_out=lambda k: int(kept_n[k - 1]) < D * a
+                        or D * int(K_lb[k - 1]) > int(kept_n[k - 1]))
+    if got is None:
+        raise PlanError(_short_message(step, lens.size, None, cfg)
+                        + f" short_step='drop' found no prefix of whole rollouts (of {R}) whose samples fill "
+                        f"dp_size × align = {D * a}-aligned micro-batches. Change the step size (Steps) or samples "
+                        "per rollout so a kept prefix aligns, raise max_tokens_per_micro, or use short_step='pad'.")
+    (bin_of, m, K, choice, slots), pos, _ = got
+    return Fit(pos, bin_of, K, choice, m, slots=slots)
 
 
 def _short_message(step: int, n: int, K: int | None, cfg: PlanConfig) -> str:

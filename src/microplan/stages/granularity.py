@@ -12,6 +12,10 @@ so whenever the ``pad`` plan needs none, all three give the same plan — and on
 candidate fills the ranks does ``error`` raise (counting samples, not tree parts) or ``drop``
 drop whole trailing rollouts from the candidate that keeps the most samples.
 
+Under dynamic context parallel the candidates are whole trees cut only where a tree fits no
+group of ``max_size`` GPUs, and one atom per sample; each is laid out by the same ``lay_out``
+(which chooses the CP widths inside the fit) and the same ``short_step`` rule picks among them.
+
 Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
 exactly what the plain planner packs. Cost: up to four layouts per sharing step (one without).
 """
@@ -22,14 +26,12 @@ import numpy as np
 
 from ..errors import PlanError
 from .atoms import Atoms, sample_atoms, tree_atoms
-from .cp import DynamicCPStep, plan_dynamic_cp_step
 from .cp_degrees import group_room
-from .cp_units import atom_units
 from .context import PlanContext
 from .fit import effective_cap
 from .place import Layout, lay_out
 
-__all__ = ["best_layout", "best_dynamic_cp", "CUT_FRACTIONS"]
+__all__ = ["best_layout", "CUT_FRACTIONS"]
 
 CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
 
@@ -38,8 +40,6 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     """The step's layout (module note)."""
     if not ctx.cfg.share_prefixes:
         return lay_out(s, sample_atoms(samples, ctx), ctx)
-    cap = effective_cap(ctx.cfg)
-    assert cap is not None  # share_prefixes needs dynamic batching (config.py)
     errors: list[PlanError] = []
 
     def attempt(a: Atoms) -> Layout | None:
@@ -50,11 +50,23 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
             errors.append(exc)
             return None
 
+    cp = ctx.cfg.context_parallel
+    atoms, cands = (_dynamic_cp_candidates if cp is not None and cp.dynamic else _candidates)(samples, ctx, attempt)
+    if not cands:
+        raise errors[-1]
+    return _short_step(s, atoms, cands, ctx)
+
+
+def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
+    """Whole trees (cut only where a tree exceeds the cap), trees cut to fractions of the mean
+    micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``."""
+    cap = effective_cap(ctx.cfg)
+    assert cap is not None  # share_prefixes needs dynamic batching (config.py)
     atoms = [tree_atoms(samples, ctx, cap)]
     per_sample = sample_atoms(samples, ctx)
     first = attempt(atoms[0]) or attempt(per_sample)
     if first is None:
-        raise errors[-1]
+        return [per_sample], []
     cands = [first]
     mean = float(first.bin_tokens.sum()) / max(first.bin_tokens.size, 1)
     largest, tried = int(first.bin_tokens.max(initial=0)), {cap}
@@ -67,7 +79,19 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     atoms.append(per_sample)
     if first.atoms is not per_sample:
         cands.append(attempt(per_sample))  # type: ignore[arg-type]
-    cands = [c for c in cands if c is not None]
+    return atoms, [c for c in cands if c is not None]
+
+
+def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
+    """``share_prefixes`` × ``ContextParallel(max_size=c)``: whole trees (cut only where a tree fits
+    no group of c GPUs) and one atom per sample (last)."""
+    cmax = int(ctx.cfg.context_parallel.max_size)  # type: ignore[union-attr]
+    atoms = [tree_atoms(samples, ctx, int(group_room(cmax, ctx.cfg))), sample_atoms(samples, ctx)]
+    return atoms, [c for c in map(attempt, atoms) if c is not None]
+
+
+def _short_step(s: int, atoms: list[Atoms], cands: list[Layout], ctx: PlanContext) -> Layout:
+    """``short_step`` across candidates (module note); ``atoms[-1]`` holds one atom per sample."""
     policy = ctx.cfg.short_step
     full = [c for c in cands if c.placeholders == 0]
     if policy == "pad":
@@ -88,23 +112,3 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     if best is None:
         raise err  # type: ignore[misc]
     return best
-
-
-def best_dynamic_cp(s: int, samples: np.ndarray, ctx: PlanContext) -> DynamicCPStep:
-    """``share_prefixes`` × ``ContextParallel(max_size=c)``: the step packed by ``stages/cp.py`` as
-    whole trees (cut only where a tree fits no group of c GPUs) and as one
-    atom per sample (each micro-batch's samples still share their trie); the candidate dropping
-    the fewest samples, then with the least predicted time, is kept."""
-    cfg, b = ctx.cfg, ctx.batch
-    forest = (ctx.parent, ctx.shared)
-    cmax = int(cfg.context_parallel.max_size)  # type: ignore[union-attr]
-    cands, errors = [], []
-    whole = tree_atoms(samples, ctx, int(group_room(cmax, cfg)))  # each part fits a group of cmax GPUs
-    for u in (atom_units(whole), atom_units(sample_atoms(samples, ctx))):
-        try:
-            cands.append(plan_dynamic_cp_step(s, samples, b, ctx.costs, cfg, ctx.fp, units=u, forest=forest))
-        except PlanError as exc:
-            errors.append(exc)
-    if not cands:
-        raise errors[-1]
-    return min(cands, key=lambda c: (c.dropped.size, c.time))

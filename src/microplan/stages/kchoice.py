@@ -44,8 +44,8 @@ from typing import Any, Literal
 import numpy as np
 
 from .._sort import stable_argsort
-from ..cost.cp import cp_micro_costs
-from ..cost.models import CostModel, bin_costs, is_additive
+from ..cost.gpu import gpu_bin_costs
+from ..cost.models import CostModel, is_additive
 from ..types import KChoice
 from .assign import arrange, grid_time
 
@@ -76,9 +76,7 @@ def step_slots(bin_of: np.ndarray, dp: int, K: int, lens: np.ndarray, costs: np.
     nb = dp * K
     additive = np.bincount(bin_of, weights=costs, minlength=nb)
     tokens = np.bincount(bin_of, weights=lens, minlength=nb)
-    mc = bin_costs(cost, additive, tokens, np.bincount(bin_of, minlength=nb))
-    if width > 1:
-        mc = cp_micro_costs(cost, mc, tokens, width)
+    mc = gpu_bin_costs(cost, additive, tokens, np.bincount(bin_of, minlength=nb), width)
     return mc, arrange(mc, dp, K)
 
 

@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable
-from typing import NamedTuple
 
 import numpy as np
 
@@ -81,27 +80,18 @@ from .kchoice import choose_k, time_lower_bounds
 from .layout import StepLayout
 from .local_refine import RankBins, differencing_bins, others_max, overshoot, polish_local, repartition_pairs
 from .pack import bins_lower_bound, lpt_pack_wide, round_robin_pack
+from .fitted import Fit
+from .short import drop_trailing, rollout_order
 from .padded import pack_padded_at
 from .refine import refine_bins
 
-__all__ = ["fit_local", "LocalFit"]
+__all__ = ["fit_local"]
 
 REPAIR = True  # step 4 of the module note (False: the plan before it, for timing side by side)
 REPAIR_ROUNDS = 4  # pooled re-splits per rank (local_refine.repartition_pairs)
 LIFT_GAP = 1e-3  # slot 0's target is lifted when some rank's heaviest bin exceeds it by this share
 
 BinCost = Callable[[np.ndarray, np.ndarray, int], np.ndarray]  # (positions, bin_of, num_bins) -> cost per bin
-
-
-class LocalFit(NamedTuple):
-    """One step's local layout; positions are into the step's atom arrays."""
-
-    kept: np.ndarray            # positions that train
-    bin_of: np.ndarray          # rank·K + slot of each kept position (slots heaviest first)
-    K: int
-    choice: KChoice | None
-    short: bool                 # some rank has fewer atoms than K (placeholders)
-    hedged: bool = False        # the hedge moved atoms: bin r·K + m runs in slot m (keep, do not re-sort)
 
 
 class _Ranks:
@@ -366,7 +356,7 @@ def _polish(ranks: _Ranks, bins: list[np.ndarray], K: int, cfg: PlanConfig, bin_
 
 
 def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: PlanConfig, min_micro_count: int = 1,
-                 layout: StepLayout | None = None, bin_cost: BinCost | None = None) -> LocalFit:
+                 layout: StepLayout | None = None, bin_cost: BinCost | None = None) -> Fit:
     """K, packing and slots of one step's atoms (``owner``: their ranks); see the module note.
 
     ``bin_cost(positions, bin_of, num_bins)``: the cost of bins of atoms (default: additive with
@@ -414,7 +404,8 @@ def layout_local(lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, cfg: Pl
                              extra=None if layout is None else layout.extra, same_rank=True)
         hedged, bin_of = out is not bin_of, out
     kept = np.arange(lens.size, dtype=np.int64)
-    return LocalFit(kept, bin_of, K, choice, bool((ranks.n < K).any()), hedged)
+    grid = np.arange(D * K, dtype=np.int64).reshape(D, K) if hedged else None  # re-sorting would undo the hedge
+    return Fit(kept, bin_of, K, choice, int(np.minimum(ranks.n, K).sum()), grid=grid, short=bool((ranks.n < K).any()))
 
 
 def _scenarios(cfg: PlanConfig, ranks: _Ranks) -> tuple:
@@ -427,7 +418,7 @@ def _scenarios(cfg: PlanConfig, ranks: _Ranks) -> tuple:
 
 def fit_local(s: int, labels: np.ndarray, lens: np.ndarray, costs: np.ndarray, owner: np.ndarray,
               rollouts: np.ndarray, cfg: PlanConfig, min_micro_count: int = 1, layout: StepLayout | None = None,
-              bin_cost: BinCost | None = None, *, short_step: str | None = None) -> LocalFit:
+              bin_cost: BinCost | None = None, *, short_step: str | None = None) -> Fit:
     """The local-placement fit of one step's atoms, ``short_step`` applied (default: the config's).
 
     ``labels``: the sample each atom names in refusals; ``rollouts``: the drop unit of each atom.
@@ -446,32 +437,36 @@ def fit_local(s: int, labels: np.ndarray, lens: np.ndarray, costs: np.ndarray, o
 
 def _drop_trailing(s: int, lens: np.ndarray, costs: np.ndarray, owner: np.ndarray, rollouts: np.ndarray,
                    cfg: PlanConfig, min_micro_count: int, layout: StepLayout | None,
-                   bin_cost: BinCost | None) -> LocalFit:
-    """Keep the longest prefix of whole rollouts with which every rank fills K (no placeholder)."""
+                   bin_cost: BinCost | None) -> Fit:
+    """Keep the longest prefix of whole rollouts with which every rank fills K (no placeholder;
+    ``short.drop_trailing``)."""
     D, a = cfg.dp_size, cfg.align
-    _, inverse = np.unique(rollouts, return_inverse=True)  # first-appearance order
-    R = int(inverse.max()) + 1
-    n = _prefix_sums(owner, inverse, np.ones(lens.size), D, R)
+    order = rollout_order(rollouts)
+    R = int(order.max()) + 1
+    n = _prefix_sums(owner, order, np.ones(lens.size), D, R)
     if cfg.micro_batch_size is not None:
         need = cdiv(n, cfg.micro_batch_size)
     else:
         cap = effective_cap(cfg)
-        tok = _prefix_sums(owner, inverse, lens, D, R)
-        big = _prefix_sums(owner, inverse, 2 * lens > cap, D, R)  # type: ignore[operator]
+        tok = _prefix_sums(owner, order, lens, D, R)
+        big = _prefix_sums(owner, order, 2 * lens > cap, D, R)  # type: ignore[operator]
         need = np.maximum(np.ceil(tok / cap), big)  # type: ignore[operator]
     K_lb = round_up(np.maximum(need.max(axis=0), max(min_micro_count, 1)).astype(np.int64), a)
-    for keep in range(R - 1, 0, -1):  # keep = rollouts kept
-        if K_lb[keep - 1] > n[:, keep - 1].min():
-            continue
-        pos = np.flatnonzero(inverse < keep).astype(np.int64)
-        sub = None if bin_cost is None else (lambda p, b, nb, pos=pos: bin_cost(pos[p], b, nb))
+
+    def attempt(pos: np.ndarray) -> Fit | None:
+        sub = None if bin_cost is None else (lambda p, b, nb: bin_cost(pos[p], b, nb))
         fit = layout_local(lens[pos], costs[pos], owner[pos], cfg, min_micro_count,
                            None if layout is None else layout.take(pos), sub)
-        if not fit.short:
-            return LocalFit(pos[fit.kept], fit.bin_of, fit.K, fit.choice, False, fit.hedged)
-    raise PlanError(_short_message(s, owner, None, cfg) + f" short_step='drop' found no prefix of whole rollouts "
-                    f"(of {R}) with which every rank fills its micro-batches. Give every rank at least "
-                    f"align={a} samples of the first rollouts, raise max_tokens_per_micro, or use short_step='pad'.")
+        return None if fit.short else fit
+
+    got = drop_trailing(order, attempt, ruled_out=lambda k: K_lb[k - 1] > n[:, k - 1].min())
+    if got is None:
+        raise PlanError(_short_message(s, owner, None, cfg) + f" short_step='drop' found no prefix of whole rollouts "
+                        f"(of {R}) with which every rank fills its micro-batches. Give every rank at least "
+                        f"align={a} samples of the first rollouts, raise max_tokens_per_micro, or use "
+                        "short_step='pad'.")
+    fit, pos, _ = got
+    return fit._replace(kept=pos[fit.kept])
 
 
 def _prefix_sums(owner: np.ndarray, inverse: np.ndarray, values: np.ndarray, D: int, R: int) -> np.ndarray:

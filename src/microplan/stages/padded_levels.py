@@ -5,10 +5,10 @@ micro-batch body of slot s (``assign.arrange`` attains it). Min-max runs (``padd
 every micro-batch the same budget, but a slot only needs its *own* dp micro-batches level: the
 longest samples can sit alone in slot 0 while the short tail fills a much cheaper last slot.
 This module plans *contiguous slots*: slot s takes a segment of the samples sorted by length
-(``padded._Sorted``), cut into exactly dp runs each costing at most a level T_s.
+(``padded_rows._Sorted``), cut into exactly dp runs each costing at most a level T_s.
 
 1. Jumps: for every level T of a candidate set and every start i, the longest run within T
-   (``padded._max_run``; 0 when the sample alone costs more) and, by doubling, R_T(i): the
+   (``padded_rows._max_run``; 0 when the sample alone costs more) and, by doubling, R_T(i): the
    furthest end dp greedy runs reach (greedy longest runs are optimal: a run's cost never grows
    when it loses samples). A slot can end anywhere in [i + dp, R_T(i)].
 2. DP, backwards: G_s(i) = min over T of T + G_{s-1}(j), the least Σ levels covering samples
@@ -46,6 +46,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from .padded_rows import _max_run
 from .padded_search import run_cost_table
 
 __all__ = ["LevelPlans", "level_plans", "split_to_count", "volume_cuts", "volume_work", "VOLUME_POWERS"]
@@ -79,7 +80,6 @@ def _levels(srt, bound: np.ndarray) -> np.ndarray:
 
 def _steps(srt, T: np.ndarray, bound: np.ndarray, caps: tuple) -> np.ndarray:
     """[len(T), n]: the longest run within T from every start (0 when the sample alone is over T)."""
-    from .padded import _max_run  # noqa: PLC0415 (padded imports this module)
     n = srt.n
     single = srt.run_cost(np.arange(n), np.ones(n, dtype=np.int64))
     out = np.empty((T.size, n), dtype=np.int64)
@@ -152,7 +152,6 @@ def _runs_of(srt, T: np.ndarray, layers: list[_Layer], K: int, dp: int, bound: n
 
 def _greedy_from(srt, tau: float, bound: np.ndarray, caps: tuple, i: int, e: int) -> list[int]:
     """Greedy longest runs within τ from i, clipped at e: boundaries [i, ..., e]."""
-    from .padded import _max_run  # noqa: PLC0415
     step = _max_run(srt, tau, bound, caps[0])
     b, x = [i], i
     while x < e:

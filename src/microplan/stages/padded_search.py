@@ -39,7 +39,7 @@ import numpy as np
 from .assign import arrange
 
 if TYPE_CHECKING:
-    from .padded import _Sorted
+    from .padded_rows import _Sorted
 
 __all__ = ["local_search", "predicted_time"]
 

@@ -6,12 +6,17 @@ parts) and wherever they may go:
 1. placement: ``global`` packs every atom into dp·K bins (``fit.fit_step``: K by predicted time,
    slot-target packing, ``short_step``); ``local`` packs each owner rank's atoms into its own K
    bins with one K for every rank (``local.fit_local``). Both see the same atom arrays and the
-   same layout view (a vision cap every packer keeps; a padded layout's row geometry);
+   same layout view (a vision cap every packer keeps; a padded layout's row geometry). Under
+   dynamic CP (``max_size``) ``cp.fit_dynamic_cp`` fits the
+   atoms with a CP width per bin and places the groups itself. Every fitter returns one
+   ``fitted.Fit``, so what follows is the same for all three;
 2. bins: the footprint of each bin (``footprint.bin_footprint``: padded samples, or the union
    trie of its samples — two parts of one tree in one bin share their root path again) and its
    cost, from the one footprint function the cap, ``validate`` and the stats use;
-3. slots: ``assign.arrange`` (global) or each rank's bins heaviest first (local), and the
-   predicted step time under ``sync`` (static CP divides a bin's work over its group).
+3. slots: ``assign.arrange`` (global), each rank's bins heaviest first (local), or the fitter's
+   grid (dynamic CP's groups, the local hedge), and the predicted step time under ``sync``
+   (``cost.gpu.gpu_costs``: a bin's work over its CP group, placeholders at a dummy token's
+   price). A static-batching step gets the KChoice its count fixes.
 
 Guarantees: the fit's (equal K, aligned, every bin under the cap as the footprint counts it,
 no rollout split by a drop). Cost: one fit (usually one packing) and one footprint pass.
@@ -26,13 +31,18 @@ import numpy as np
 
 from ..config import PlanConfig
 from ..cost.cp import cp_micro_costs
-from ..cost.models import placeholder_cost
+from ..cost.gpu import gpu_costs
+from ..errors import PlanError
+from ..fixes import too_long_fixes
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
 from .atoms import Atoms
 from .context import PlanContext
-from .fit import fit_step
+from .cp import fit_dynamic_cp
+from .cp_units import atom_units, describe_atom, sample_units
+from .fit import effective_cap, fit_step
+from .fitted import Fit
 from .layout import StepLayout, step_layout
 from .local import fit_local
 
@@ -55,11 +65,13 @@ class Layout(NamedTuple):
     bin_costs: np.ndarray     # predicted cost of each bin (whole group under static CP)
     time: float               # predicted step time under cfg.sync, as the fit priced it (placeholders: per_micro)
     run_time: float           # the same with each placeholder at its dummy token's price, as stats price the plan
+    width: np.ndarray | None = None  # dynamic CP: each bin's CP width (its group's ranks share the bin in ``grid``)
 
     @property
     def placeholders(self) -> int:
         """Bins holding no atom."""
-        return int((np.bincount(self.bin_of, minlength=self.grid.size) == 0).sum())
+        nb = self.grid.size if self.width is None else self.width.size
+        return int((np.bincount(self.bin_of, minlength=nb) == 0).sum())
 
     @property
     def dropped_samples(self) -> np.ndarray:
@@ -86,17 +98,8 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     cfg = ctx.cfg
     D = cfg.dp_size
     policy = cfg.short_step if short_step is None else short_step
-    view = _view(atoms, ctx)
-    run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
-    slots = None  # the fit's costs and grid of its packing, when it arranged them
-    fixed = False  # local placement: the fit's bin r·K + m is slot m
-    if ctx.local:
-        fit = fit_local(s, atoms.label, atoms.tokens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
-                        ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
-        kept, bin_of, K, choice, fixed = fit.kept, fit.bin_of, fit.K, fit.choice, fit.hedged
-    else:
-        f = fit_step(s, atoms.label, atoms.tokens, atoms.costs, atoms.rollouts, run_cfg, view)
-        kept, bin_of, K, choice, slots = f.kept, f.bin_of, f.micro_count, f.choice, f.slots
+    f = _fit(s, atoms, ctx, policy)
+    kept, bin_of, K = f.kept, f.bin_of, f.K
     if kept.size == atoms.size:  # distinct atom positions, all of them: nothing dropped
         dropped = np.zeros(0, dtype=np.int64)
     else:
@@ -107,32 +110,70 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     samples = atoms.members[kept] if single else atoms.samples_of(kept)
     sample_bin = bin_of if single else np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
     forest = (ctx.parent, ctx.shared) if atoms.trees else None
-    tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, D * K, forest=forest)  # type: ignore[arg-type]
+    nb = D * K if f.width is None else f.width.size
+    tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, nb, forest=forest)  # type: ignore[arg-type]
+    if f.width is not None:  # dynamic CP: the fitter placed its groups and priced them (gpu_costs)
+        assert f.grid is not None and f.time is not None
+        return Layout(atoms, kept, dropped, bin_of, f.grid, K, f.choice, samples, sample_bin, tokens, costs,
+                      f.time, f.time, f.width)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
-    if ctx.local and fixed:  # the hedge levelled bin r·K + m against slot m: re-sorting would undo it
-        grid = np.arange(D * K, dtype=np.int64).reshape(D, K)
+    if f.grid is not None:  # the local hedge levelled bin r·K + m against slot m: re-sorting would undo it
+        grid = f.grid
     elif ctx.local:  # each rank's own bins, heaviest first
         grid = np.argsort(-per_gpu.reshape(D, K), axis=1, kind="stable") + (np.arange(D) * K)[:, None]
-    elif slots is not None and np.array_equal(slots.costs, per_gpu):  # arrange is a function of the costs
-        grid = slots.grid
+    elif f.slots is not None and np.array_equal(f.slots.costs, per_gpu):  # arrange is a function of the costs
+        grid = f.slots.grid
     else:
         grid = arrange(per_gpu, D, K)
+    run_time = grid_time(gpu_costs(cfg.cost, costs, tokens, cp)[grid], cfg.sync)  # type: ignore[arg-type]
+    choice = f.choice if f.choice is not None else _static_choice(K, run_time, cfg)  # static batching
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
-                  grid_time(per_gpu[grid], cfg.sync),
-                  grid_time(_priced_placeholders(per_gpu, tokens, cfg)[grid], cfg.sync))
+                  grid_time(per_gpu[grid], cfg.sync), run_time)
 
 
-def _priced_placeholders(per_gpu: np.ndarray, tokens: np.ndarray, cfg: PlanConfig) -> np.ndarray:
-    """Per-GPU costs with each placeholder (a bin holding no token) at its dummy token's price
-    (``placeholder_cost``, as stats price it), so candidates with more placeholders are not
-    predicted faster than they run."""
-    empty = tokens == 0
-    if not empty.any():
-        return per_gpu
-    one = np.ones(1)
-    price = cp_micro_costs(cfg.cost, one * placeholder_cost(cfg.cost), one, cfg.static_cp_size)[0]
-    return np.where(empty, price, per_gpu)
+def _fit(s: int, atoms: Atoms, ctx: PlanContext, policy: str) -> Fit:
+    """The step's fit by the fitter its placement and CP mode call for (``fitted.Fit``, one result)."""
+    cfg = ctx.cfg
+    if cfg.context_parallel is not None and cfg.context_parallel.dynamic:  # a width per bin, chosen in the fit
+        units = atom_units(atoms) if atoms.trees else sample_units(atoms.members, ctx.batch, ctx.costs, ctx.fp, cfg)
+        return fit_dynamic_cp(s, units, ctx, policy)
+    view = _view(atoms, ctx)
+    lens = atoms.tokens
+    if atoms.trees:
+        _check_tree_cap(atoms, lens, ctx)
+    run_cfg = cfg if policy == cfg.short_step else replace(cfg, short_step=policy)
+    if ctx.local:
+        return fit_local(s, atoms.label, lens, atoms.costs, atoms.owner, atoms.rollouts, run_cfg,  # type: ignore[arg-type]
+                         ctx.min_k, view, _atom_bin_cost(atoms, ctx), short_step=policy)
+    return fit_step(s, atoms.label, lens, atoms.costs, atoms.rollouts, run_cfg, view)
+
+
+def _static_choice(K: int, time: float, cfg: PlanConfig) -> KChoice:
+    """The KChoice of a static-batching step: K is the fewest micro-batches per rank that hold the
+    step's samples ``micro_batch_size`` at a time, aligned — fixed by the count, not timed."""
+    where = "the busiest rank's samples" if cfg.placement == "local" else \
+        f"the step's samples over dp_size={cfg.dp_size}"
+    return KChoice(K, K, ((K, time),),
+                   f"static batching: K={K} micro-batches per rank hold {where} at most micro_batch_size="
+                   f"{cfg.micro_batch_size} at a time (align={cfg.align}, pipeline_stages={cfg.pipeline_stages}); "
+                   "the count fixes K, so no other K is timed")
+
+
+def _check_tree_cap(atoms: Atoms, lens: np.ndarray, ctx: PlanContext) -> None:
+    """PlanError naming the prefix-tree atom that fits no micro-batch: its samples, its trie tokens
+    and what they count (segments padded to the sample multiple)."""
+    cfg = ctx.cfg
+    cap = effective_cap(cfg)
+    if cap is None or not lens.size or int(lens.max()) <= cap:
+        return
+    j = int(np.argmax(lens))
+    who = describe_atom(atoms, j, int(atoms.tokens[j]), ctx)
+    cp = cfg.static_cp_size
+    where = f"max_tokens_per_micro={cfg.max_tokens_per_micro}" + (f" × cp size {cp}" if cp > 1 else "") + \
+        (f", {cap} after the row multiple" if cap != cfg.max_tokens_per_micro * cp else "")
+    raise PlanError(f"{who}, more than one micro-batch may hold ({where}); "
+                    f"{too_long_fixes(cfg, padded=ctx.fp.padding.sample_multiple > 1)}.")
 
 
 def _atom_bin_cost(atoms: Atoms, ctx: PlanContext):
