@@ -42,6 +42,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import microplan as mp  # noqa: E402
+from microplan.cost.explore import lockstep_seconds  # noqa: E402
 
 from benchmarks._results import save_json  # noqa: E402
 from benchmarks.bench_planners import FAMILIES, SPG, verl_split_owners  # noqa: E402
@@ -51,6 +52,11 @@ WARMUP, SCORED, NOISE = 3, 3, 0.03
 CAP_POINTS = 12  # caps of the dense truth's cap sweep
 TRUTHS = {"attn1.5": (1.5, 0.02, False), "attn2.5": (2.5, 0.02, False), "dense-T2": (2.5, 0.02, True),
           "dense-T2c": (2.5, 0.02, "causal")}  # dense-T2c: a lone sample pays its causal attention (L²)
+#: the dense grid (issue 27): dense kernels of attention 1x and 2.5x slower per FLOP (a lone sample
+#: pays its causal L²), each on the family's own shape and "at-cap": short samples (max_len = cap/4)
+#: and 128 per GPU, so every warm-up micro-batch holds ~cap tokens and T² looks constant
+DENSE_GRID = {"dense-1x": (1.0, 0.02, "causal"), "dense-2.5x": (2.5, 0.02, "causal")}
+SHAPES = ("family", "at-cap")
 
 
 class Swept(NamedTuple):
@@ -105,35 +111,51 @@ def informed_fit(records: list[tuple[float, float, float]], per_micro: float) ->
 
 def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
              spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False,
-             hedge: bool = True, placement: str = "global") -> dict:
+             hedge: bool = True, placement: str = "global", shape: str = "family", sweep: bool | None = None, explore: bool = True) -> dict:
     """One run of ``warmup`` + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
     ``TRUTHS[truth_name]``) with timing noise ``noise``; ``informed``: also plan the scored steps
     with :func:`informed_fit` of the same records. The meter hedges (``CostMeter(hedge=...)``); each
     scored step is also planned on its point estimate alone (``attention_rel_sd=0``: "point"), from
     the same records. ``placement="local"``: every step's samples pinned by verl's driver split
-    (``bench_planners.verl_split_owners``) and every plan made with ``placement="local"``."""
+    (``bench_planners.verl_split_owners``) and every plan made with ``placement="local"``.
+
+    Every step is planned with ``meter.explore_config(config, batch)``: in the warm-up steps the
+    meter may probe a lower cap (``microplan.cost.explore``); each probe step is also planned at
+    the cap (what the meter would have run without exploring) and both are timed under the truth:
+    ``explore_cost`` = Σ (probe − unexplored) / Σ the unexplored warm-up steps' time. ``shape``:
+    "family" (the family's max_len, SPG by seed) or "at-cap" (max_len = cap/4, 128 samples per
+    GPU: every warm-up micro-batch at the cap). ``sweep``: run the cap sweep (default: dense truths).
+    ``explore=False``: a meter that never probes (``explore_steps=0``), the baseline."""
     max_len, cap, group = FAMILIES[family]
+    spg = SPG[seed % len(SPG)]
+    if shape == "at-cap":
+        max_len, spg = cap // 4, 128
 
     def config(cost) -> mp.PlanConfig:
         return mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, cost=cost, placement=placement)
-    slow, over, packed = TRUTHS[truth_name] if spec is None else spec
+    slow, over, packed = {**TRUTHS, **DENSE_GRID}[truth_name] if spec is None else spec
+    sweep = bool(packed) if sweep is None else sweep
     machine = truth(slow, over, cap, packed=bool(packed))
     if packed == "causal":  # the dense kernel's unmasked path for a lone sample: attention·L²
         machine = replace(machine, quadratic=machine.packed_quadratic / 2)
     prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
-    meter = mp.CostMeter(prior=prior, hedge=hedge)
+    meter = mp.CostMeter(prior=prior, hedge=hedge, explore_steps=warmup if explore else 0)
     rng = np.random.default_rng(seed)
-    spg = SPG[seed % len(SPG)]
     steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=spg, count=warmup + SCORED, seed=seed)
     if placement == "local":
         steps = [b.with_rank_of(verl_split_owners(b.seq_lens, dp)) for b in steps]
-    out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[],
+    out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, shape=shape, metered=[], oracle=[], uncal=[],
                      smaller_cap=[], K_metered=[], K_oracle=[], K_sweep=[], all_k=[], informed=[], point=[])
     records: list[tuple[float, float, float]] = []
+    warm_time = warm_extra = 0.0
     for s, batch in enumerate(steps):
-        cost = meter.cost()
-        cfg = config(cost)
+        cfg = meter.explore_config(config(None), batch)
+        cost = cfg.cost
         plan = mp.plan(batch, cfg)
+        if s < warmup:
+            unexplored = plan if cfg.max_tokens_per_micro == cap else mp.plan(batch, config(cost))
+            warm_time += lockstep_seconds(unexplored, machine)
+            warm_extra += lockstep_seconds(plan, machine) - lockstep_seconds(unexplored, machine)
         if s >= warmup:
             sd = getattr(cost, "attention_rel_sd", 0.0)
             out["point"].append(score(mp.plan(batch, replace(cfg, cost=replace(cost, attention_rel_sd=0.0))), machine)
@@ -148,10 +170,10 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
             out["uncal"].append(score(uncal, machine))
             out["K_metered"].append(plan.steps[0].micro_count)
             out["K_oracle"].append(oracle.steps[0].micro_count)
-            if packed:
-                sweep = cap_sweep(batch, dp, cap, (mp.TokenCost(), prior), machine)
-                out["smaller_cap"].append(sweep.score)
-                out["K_sweep"].append(sweep.K)
+            if sweep:
+                sweep_best = cap_sweep(batch, dp, cap, (mp.TokenCost(), prior), machine)
+                out["smaller_cap"].append(sweep_best.score)
+                out["K_sweep"].append(sweep_best.K)
                 if all_k:
                     out["all_k"].append(best_k(batch, dp, cap, machine))
         for micro, t in measured_seconds(plan, machine, noise, rng):
@@ -159,6 +181,9 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
             lens = np.asarray(micro.seq_lens if micro.num_samples else [1], dtype=np.float64)
             records.append((float(lens.sum()), float((lens * lens).sum()), t))
     rep = meter.report()
+    out["explore_cost"] = warm_extra / warm_time if warm_time > 0 else 0.0
+    out["probes"] = [dict(step=p.step, cap=p.cap, fraction=p.fraction, predicted_share=p.extra_share) for p in rep.probes]
+    out["regime"], out["evidence"] = rep.regime, rep.regime_evidence
     out["prior_terms"] = list(rep.prior_terms)
     out["meter_error"] = rep.recent_median_error
     out["fit"] = rep.cost.to_dict()
@@ -168,12 +193,15 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
 def summarise(rows: list[dict]) -> list[dict]:
     groups: dict[tuple, list[dict]] = {}
     for r in rows:
-        groups.setdefault((r["family"], r["dp"], r["truth"]), []).append(r)
+        groups.setdefault((r["family"], r["dp"], r["truth"], r.get("shape", "family")), []).append(r)
     out = []
-    for (fam, dp, tr), rs in groups.items():
+    for (fam, dp, tr, shape), rs in groups.items():
         cell = lambda key: [v for r in rs for v in r[key]]  # noqa: E731
         met, ora, unc = np.array(cell("metered")), np.array(cell("oracle")), np.array(cell("uncal"))
-        s = dict(family=fam, dp=dp, truth=tr, steps=int(met.size),
+        s = dict(family=fam, dp=dp, truth=tr if shape == "family" else f"{tr}@{shape}", shape=shape, steps=int(met.size),
+                 explore_cost=(float(np.median([r["explore_cost"] for r in rs])), float(max(r["explore_cost"] for r in rs))),
+                 probes=float(np.mean([len(r["probes"]) for r in rs])),
+                 regimes=sorted({str(r["regime"]) for r in rs}),
                  metered=(float(np.median(met)), float(met.max())), oracle=(float(np.median(ora)), float(ora.max())),
                  uncal=(float(np.median(unc)), float(unc.max())),
                  gap=(float(np.median(met - ora)), float((met - ora).max())),
@@ -192,19 +220,21 @@ def summarise(rows: list[dict]) -> list[dict]:
 
 
 def format_table(summary: list[dict]) -> str:
-    head = (f"{'family':<19}{'dp':>4}  {'truth':<9}{'metered':>16}{'oracle':>16}{'uncalibrated':>16}"
+    head = (f"{'family':<19}{'dp':>4}  {'truth':<17}{'metered':>16}{'oracle':>16}{'uncalibrated':>16}"
             f"{'met-oracle':>18}{'K met/orc':>11}{'meter err':>10}{'best smaller cap':>18}{'met/best':>16}"
-            f"{'K sweep':>8}{'oracle/all-K':>16}")
+            f"{'K sweep':>8}{'oracle/all-K':>16}{'explore cost med/max':>22}{'probes':>7}  regime")
     lines = [head, "-" * len(head)]
     f2 = lambda x: f"{x[0]:.4f}/{x[1]:.4f}"  # noqa: E731
     for s in summary:
         sc = f2(s["smaller_cap"]) if "smaller_cap" in s else "-"
         vs = f2(s["vs_smaller_cap"]) if "vs_smaller_cap" in s else "-"
-        lines.append(f"{s['family']:<19}{s['dp']:>4}  {s['truth']:<9}{f2(s['metered']):>16}{f2(s['oracle']):>16}"
+        lines.append(f"{s['family']:<19}{s['dp']:>4}  {s['truth']:<17}{f2(s['metered']):>16}{f2(s['oracle']):>16}"
                      f"{f2(s['uncal']):>16}{s['gap'][0]:>+9.4f}/{s['gap'][1]:+.4f}"
                      f"{s['K_metered']:>6.0f}/{s['K_oracle']:<4.0f}{s['meter_error']:>10.1%}{sc:>18}{vs:>16}"
                      f"{s.get('K_sweep', float('nan')):>8.0f}"
-                     f"{f2(s['oracle_vs_all_k']) if 'oracle_vs_all_k' in s else '-':>16}")
+                     f"{f2(s['oracle_vs_all_k']) if 'oracle_vs_all_k' in s else '-':>16}"
+                     f"{s['explore_cost'][0]:>+11.2%}/{s['explore_cost'][1]:+.2%}{s['probes']:>7.1f}  "
+                     f"{','.join(s['regimes'])}")
     return "\n".join(lines)
 
 
@@ -212,11 +242,28 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
     plain = [s for s in summary if not s["truth"].startswith("dense")]
     dense = [s for s in summary if s["truth"].startswith("dense")]
     return {
+        "exploration <= 2% of the warm-up steps' time (every run)": all(s["explore_cost"][1] <= 0.02 for s in summary),
         "metered lockstep/LB <= 1.003 median": all(s["metered"][0] <= 1.003 for s in plain),
         "metered lockstep/LB <= 1.01 worst": all(s["metered"][1] <= 1.01 for s in plain),
         "metered within 0.002 of oracle (median)": all(s["gap"][0] <= 0.002 for s in plain),
         "dense-T2: metered within 0.5% of best smaller cap (median)":
             all(s["vs_smaller_cap"][0] <= 1.005 for s in dense),
+    }
+
+
+def run_dense_grid(seeds: range, families: list[str], explore: bool = True) -> list[dict]:
+    """Issue 27 item 1: every family x dp 8/32 x ``DENSE_GRID`` truth x ``SHAPES``, from the default
+    prior (``FlopsCost.from_hf_config``, attention not told), scored against the best cap-swept plan."""
+    return [run_case(fam, dp, seed, tr, shape=shape, explore=explore) for fam in families for dp in (8, 32) for tr in DENSE_GRID
+            for shape in SHAPES for seed in seeds]
+
+
+def dense_targets(summary: list[dict]) -> dict[str, bool]:
+    return {
+        "dense grid: metered within 0.5% of the best cap-swept plan (median, every cell)":
+            all(s["vs_smaller_cap"][0] <= 1.005 for s in summary),
+        "dense grid: exploration <= 2% of the warm-up steps' time (every run)":
+            all(s["explore_cost"][1] <= 0.02 for s in summary),
     }
 
 
@@ -288,6 +335,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--quick", action="store_true", help="2 seeds instead of 6")
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
+    ap.add_argument("--dense-grid", action="store_true", help="the dense grid of issue 27 (item 1) instead")
+    ap.add_argument("--no-explore", action="store_true", help="--dense-grid: a meter that never probes (baseline)")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps before scoring (default %(default)s)")
     ap.add_argument("--noise", type=float, nargs="*", default=list(GRID_NOISE), help="--grid: timing noises")
@@ -313,6 +362,25 @@ def main(argv: list[str] | None = None) -> dict:
             name += "" if len(seeds) == 6 else f"-seeds{len(seeds)}"
             name += "-nohedge" if args.no_hedge else ""
             name += "-local" if args.placement == "local" else ""
+            print(f"wrote {save_json(name, result)}.json")
+        return result
+    if args.dense_grid:
+        rows = run_dense_grid(seeds, args.families, explore=not args.no_explore)
+        summary = summarise(rows)
+        print(f"Dense grid from the default prior (FlopsCost.from_hf_config(7B), attention not told): lockstep / LB "
+              f"under the truth, median/worst over {len(seeds)} seeds x {SCORED} scored steps after {WARMUP} warm-up "
+              "steps; met/best = metered / the best cap-swept plan; explore cost = what the probes cost under the "
+              "truth, of the warm-up steps' time")
+        print(format_table(summary))
+        targets = dense_targets(summary)
+        for k, ok in targets.items():
+            print(f"  {'met' if ok else 'MISSED'}: {k}")
+        result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                      truths={k: dict(zip(("attention_slowdown", "overhead", "packed"), v)) for k, v in DENSE_GRID.items()},
+                      shapes=list(SHAPES), explore=not args.no_explore, warmup=WARMUP, scored=SCORED, noise=NOISE, targets=targets,
+                      summary=summary, rows=rows)
+        if not args.no_write:
+            name = "meter-dense-grid" + ("" if len(seeds) == 6 else f"-seeds{len(seeds)}") + ("-noexplore" if args.no_explore else "")
             print(f"wrote {save_json(name, result)}.json")
         return result
     rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]

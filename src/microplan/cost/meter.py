@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -61,7 +61,12 @@ from ..errors import PlanError
 from .calibrate import nnls
 from .cp import cp_micro_costs
 from .cpfit import fit_cp
+from .explore import DEFAULT_EXPLORE_BUDGET, Explorer, Probe, hypotheses_of
 from .models import CostModel, FlopsCost, TokenCost, micro_features
+
+if TYPE_CHECKING:
+    from ..batch import Batch
+    from ..config import PlanConfig
 
 __all__ = ["CostMeter", "MeterReport"]
 
@@ -69,6 +74,8 @@ _REL_WIDTH = np.array([0.3, 1.0, 1.0, 1.0])   # prior width, relative to the pri
 _FLOOR = 0.05                                  # a zero prior may still explain 5 % of a typical record
 _ATTN_WIDTH = 1.0                              # each attention term: ±100 %
 _REGIME_MARGIN = 0.05                          # the other regime must explain the records 5 % better
+EVIDENCE = 3.0                                 # |log-likelihood ratio| of the regimes (nats) that decides them
+EXPLORE_SD = 0.1                               # explore while attention/linear is known worse than ±10 %
 _PRIOR_SHARE = 0.5                             # a term whose posterior variance is > 50 % of its prior's: "from the prior"
 HEDGE_MIN_SD = 0.02                            # hedge (attention_rel_sd) only when attention is known worse than ±2 %
 HEDGE_MAX_SD = 0.5                             # ... and never over more than ±50 %
@@ -84,6 +91,7 @@ class _Fit(NamedTuple):
     held: tuple[str, ...]        # terms the records leave at the prior
     std: np.ndarray              # posterior standard deviation of each coefficient (0 where not free)
     cov: np.ndarray              # posterior covariance [4, 4] (0 where not free)
+    penalty: float = 0.0         # its prior penalty (sum of squares): residual + penalty = the MAP objective
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -125,6 +133,15 @@ class MeterReport:
     prior_terms: tuple[str, ...] = ()
     cp_note: str = ""
     attention_rel_std: float | None = None
+    regime: str | None = None
+    regime_evidence: float | None = None
+    explore_reason: str = ""
+    probes: tuple[Probe, ...] = ()
+
+    @property
+    def exploration_seconds(self) -> float:
+        """What the probes cost: Σ of their predicted extra lockstep time (the worse regime's fit)."""
+        return float(sum(p.extra_seconds for p in self.probes))
 
     def __str__(self) -> str:
         rec = "n/a" if self.recent_median_error is None else \
@@ -134,6 +151,13 @@ class MeterReport:
                 if self.prior_terms else "")
         if self.attention_rel_std is not None:
             held += f"; attention term (relative to linear) known to ±{self.attention_rel_std:.1%} (1 sd)"
+        if self.regime is not None:
+            held += (f"; regime {self.regime} (log-likelihood ratio dense:varlen {self.regime_evidence:+.1f})"
+                     + (f", still exploring: {self.explore_reason}" if self.explore_reason else ""))
+        if self.probes:
+            held += (f"; explored {len(self.probes)} step(s) at caps {', '.join(str(p.cap) for p in self.probes)}, "
+                     f"predicted cost {self.exploration_seconds:+.4g} s "
+                     f"({sum(p.extra_seconds for p in self.probes) / sum(p.step_seconds for p in self.probes):+.2%})")
         return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
                 f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}"
                 + (f"; {self.cp_note}" if self.cp_note else ""))
@@ -174,6 +198,24 @@ def _prior_coefficients(prior: CostModel | None) -> np.ndarray:
                         "quadratic, packed_quadratic and per_micro attributes).") from None
 
 
+def _rescale(base: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
+    """The one factor that best explains the records ``y`` by the prior's predictions ``base`` (weighted)."""
+    den = float(np.sum(w * w * base * base))
+    return float(np.sum(w * w * base * y) / den) if den > 0 else 1.0
+
+
+def _evidence(var: _Fit, den: _Fit, m: int) -> float:
+    """log-likelihood ratio (nats) of the dense regime over the varlen one: half the difference of
+    their MAP objectives (data residual + prior penalty), in units of the noise the records show
+    when that is above the assumed noise (never sharper than assumed); 0 when either fit failed."""
+    jv, jd = var.residual + var.penalty, den.residual + den.penalty
+    if not (np.isfinite(jv) and np.isfinite(jd)):
+        return 0.0
+    dof = m - 4
+    seen2 = max(min(var.residual, den.residual) / dof, 1.0) if dof >= 3 else 1.0
+    return float((jv - jd) / (2.0 * seen2))
+
+
 def _ratio_sd(fit: _Fit, a: int, seen: float) -> float | None:
     """Relative posterior sd of attention / linear (what balancing depends on: per_micro and linear
     trade off on micro-batches near the cap, and that error moves the ratio too), by the delta
@@ -198,19 +240,25 @@ class CostMeter:
         hedge: hand the planner the attention term's uncertainty (``FlopsCost.attention_rel_sd``,
             the posterior sd when it is at least ``HEDGE_MIN_SD``), so it balances for every
             machine within ±1 sd (``microplan.stages.hedge``). False: plan on the point estimate.
+        explore_steps: :meth:`explore_config` may probe in steps 2 .. ``explore_steps`` of those
+            planned through it (default 3: the warm-up); 0 never probes.
+        explore_budget: the most a probe may add to a step's predicted lockstep time, under each
+            regime's fit (default 0.02 = 2 %; ``microplan.cost.explore``).
 
     Usage, once per step on every rank (or on the driver, with every rank's timings)::
 
         meter = CostMeter(prior=FlopsCost.from_hf_config(cfg))
         for step in training:
-            plan = mp.plan(batch, replace(config, cost=meter.cost()))
+            plan = mp.plan(batch, meter.explore_config(config, batch))  # = replace(config, cost=meter.cost()),
+                                                                        # a lower cap while it explores
             for micro in plan.rank(rank)[0]:
                 seconds = run_and_time(micro)          # the rank's compute, not its wait
                 meter.record(micro, seconds)           # gather all ranks' records for one model
     """
 
     def __init__(self, prior: CostModel | None = None, *, noise: float = 0.05, window: int = 4096,
-                 half_life: int | None = 2048, hedge: bool = True) -> None:
+                 half_life: int | None = 2048, hedge: bool = True, explore_steps: int = 3,
+                 explore_budget: float = DEFAULT_EXPLORE_BUDGET) -> None:
         if prior is not None and not isinstance(prior, CostModel):
             raise PlanError(f"CostMeter(prior={prior!r}) must be a cost model (FlopsCost.from_hf_config(...), a "
                             "profile's .cost) or None.")
@@ -221,6 +269,11 @@ class CostMeter:
         if not isinstance(hedge, bool):
             raise PlanError(f"CostMeter(hedge={hedge!r}) must be True or False.")
         self.hedge = hedge
+        explore_steps = int_field("CostMeter(explore_steps)", explore_steps, minimum=0)
+        explore_budget = float_field("CostMeter(explore_budget)", explore_budget, minimum=0.0)
+        if explore_budget >= 1.0:
+            raise PlanError(f"CostMeter(explore_budget={explore_budget!r}) is the most a probe may add to a step's "
+                            "time, as a fraction (0.02 = 2 %); pass a value below 1, or explore_steps=0 for none.")
         self._theta0 = _prior_coefficients(prior)
         if not np.all(np.isfinite(self._theta0)) or self._theta0[:3].sum() <= 0:
             raise PlanError("CostMeter prior has no positive token term; pass a model whose linear, quadratic or "
@@ -238,6 +291,12 @@ class CostMeter:
         self._scale: float | None = None
         self._prior_terms: tuple[str, ...] = ()
         self._attn_std: float | None = None
+        self._evidence = 0.0                               # log-likelihood ratio dense : varlen (nats)
+        self._dense = False                                # the regime of the current fit
+        self._decided: bool | None = None                  # dense? as last decided by the evidence, at a cost() call
+        self._regime_fits: tuple[_Fit, _Fit] | None = None
+        self._hypotheses: tuple[np.ndarray, ...] = ()      # (varlen, dense) MAP coefficients in seconds
+        self._explorer = Explorer(budget=explore_budget, steps=explore_steps)
         self.num_records = 0
 
     # -- recording ------------------------------------------------------------------------------
@@ -291,9 +350,42 @@ class CostMeter:
         fit = self._current()
         if isinstance(fit, FlopsCost):
             self._issued = fit
+        if self._y and abs(self._evidence) >= EVIDENCE:  # only here, so the state follows the records and the
+            self._decided = self._dense                   # cost() calls (once per step on every rank), not report()
         self._last_recent, self._recent = self._recent, []
         self._last_prior, self._issued_prior = self._issued_prior, not self._y
         return fit
+
+    def explore_config(self, config: PlanConfig, batch: Batch) -> PlanConfig:
+        """The config to plan the next step with: ``replace(config, cost=self.cost())``, or — in a
+        warm-up step while the records leave the kernel's regime or its attention term unidentified
+        — that config with a lower ``max_tokens_per_micro`` (a *probe*, ``microplan.cost.explore``),
+        whose extra predicted time is at most ``explore_budget`` of the step's under each regime's
+        fit. ``report()`` lists the probes (``probes``) and why (``explore_reason``). Pure in the
+        records and the calls: every rank calling it with the same records gets the same config."""
+        if not hasattr(config, "max_tokens_per_micro") or not hasattr(config, "dp_size"):
+            raise PlanError(f"CostMeter.explore_config(config={type(config).__name__}) needs a PlanConfig.")
+        planned = replace(config, cost=self.cost())
+        reason = self._explore_reason()
+        return self._explorer.next_config(planned, batch, reason, hypotheses_of(self._hypotheses, planned.cost)
+                                          if self._y else [])
+
+    def _explore_reason(self) -> str:
+        """What the records leave unidentified ("" when the regime and attention term are identified)."""
+        if not self._y:
+            return "no records yet"
+        self._current()
+        e = self._evidence
+        if abs(e) < EVIDENCE:
+            return (f"the records do not tell the varlen and dense kernels apart (log-likelihood ratio {e:+.1f}, "
+                    f"decided at ±{EVIDENCE:g})")
+        term = "packed_quadratic" if self._dense else "quadratic"
+        if term in self._prior_terms:
+            return f"the attention term ({term}) sits at its prior"
+        if self._attn_std is None or self._attn_std > EXPLORE_SD:
+            known = "not at all" if self._attn_std is None else f"to ±{self._attn_std:.0%}"
+            return f"attention/linear is known {known} (explore above ±{EXPLORE_SD:.0%})"
+        return ""
 
     def report(self) -> MeterReport:
         """Drift and fit quality over the window (see :class:`MeterReport`)."""
@@ -310,7 +402,11 @@ class CostMeter:
                            fit_median_error=fit_err, scale=self._scale,
                            prior_terms=self._prior_terms if self._y else (),
                            cp_note=self._cp_note if self._y else "",
-                           attention_rel_std=self._attn_std if self._y else None)
+                           attention_rel_std=self._attn_std if self._y else None,
+                           regime=("dense" if self._dense else "varlen") if self._y else None,
+                           regime_evidence=self._evidence if self._y else None,
+                           explore_reason=self._explore_reason() if self._y else "",
+                           probes=tuple(self._explorer.probes))
 
     def _current(self) -> CostModel:
         if not self._y:
@@ -332,14 +428,18 @@ class CostMeter:
         w = np.sqrt(decay) / (self.noise * y)
         t0 = self._theta0
         prior_dense = t0[2] > 0
-        base = XX[:, 4:] @ t0 if prior_dense else XX[:, :4] @ t0
-        s = float(np.sum(w * w * base * y) / np.sum(w * w * base * base))
-        self._scale = s * unit
         # one prior per regime: the lone-sample attention is the same physical term in both; a dense
-        # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise
-        mu_var = s * np.array([t0[0], t0[1], 0.0, t0[3]])
-        mu_den = s * np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
+        # kernel computes every pair of a pack (twice the causal half) unless the prior says otherwise.
+        # Each is rescaled by the one factor that best explains the records under its own features.
+        var0 = np.array([t0[0], t0[1], 0.0, t0[3]])
+        den0 = np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
+        s_var, s_den = (_rescale(XX[:, :4] @ var0, y, w), _rescale(XX[:, 4:] @ den0, y, w))
+        s = s_den if prior_dense else s_var
+        self._scale = s * unit
+        mu_var, mu_den = s_var * var0, s_den * den0
         fit, use_dense = self._regimes(XX, y, w, mu_var, mu_den, prior_dense)
+        self._dense = use_dense
+        self._hypotheses = tuple(f.theta * unit for f in self._regime_fits)  # both regimes' fits, in seconds
         theta, held = fit.theta, fit.held
         a = 2 if use_dense else 1
         dof = m - (4 if use_dense else 3)  # the noise the records show, not the one assumed (``noise``)
@@ -393,8 +493,15 @@ class CostMeter:
             fits = [_Fit(mu_var, np.inf, TERMS, nan, np.full((4, 4), np.nan)),
                     _Fit(mu_den, np.inf, TERMS, nan, np.full((4, 4), np.nan))]
         var, den = fits
-        # the dense regime only when the records say so clearly (and it keeps a packed term)
-        if prior_dense:
+        self._evidence = _evidence(var, den, y.size)
+        self._regime_fits = (var, den)
+        # the dense regime only when the records say so clearly (and it keeps a packed term): decisive
+        # evidence either way, else the prior's regime unless the other explains the records 5 % better
+        if abs(self._evidence) >= EVIDENCE:
+            use_dense = bool(self._evidence > 0 and den.theta[2] > 0)
+        elif self._decided is not None:  # records that cannot tell (e.g. one sample per micro-batch) keep the
+            use_dense = bool(self._decided and den.theta[2] > 0)   # regime last decided when a model was handed out
+        elif prior_dense:
             use_dense = bool(not (var.residual < den.residual * (1 - _REGIME_MARGIN)) and den.theta[2] > 0)
         else:
             use_dense = bool(den.residual < var.residual * (1 - _REGIME_MARGIN) and den.theta[2] > 0)
@@ -429,6 +536,7 @@ class CostMeter:
         theta = np.zeros(4)
         theta[cols] = sol
         r = (X @ theta - y) * w
+        pen = float(sum(((theta[j] - mu[j]) / tau[j]) ** 2 for j in cols))
         # posterior variance of each term (Gaussian, ignoring θ >= 0) against its prior variance τ²
         sub = np.linalg.pinv(An.T @ An) / np.outer(norms, norms)
         post = np.diag(sub)
@@ -438,7 +546,7 @@ class CostMeter:
         std[cols] = np.sqrt(np.maximum(post, 0.0))
         cov = np.zeros((4, 4))
         cov[np.ix_(cols, cols)] = sub
-        return _Fit(theta, float(r @ r), held, std, cov)
+        return _Fit(theta, float(r @ r), held, std, cov, pen)
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"
