@@ -251,6 +251,62 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
     }
 
 
+TREE_TRUTHS = {"attn1.5": (1.5, 0.02), "attn2.5": (2.5, 0.02), "attn2/over5": (2.0, 0.05)}
+TREE_PROMPTS = (512, 4096)  # prompt tokens (log-uniform): long shared prompts, so trees differ from flat rows
+
+
+def run_tree_case(family: str, dp: int, seed: int, truth_name: str, noise: float = NOISE,
+                  warmup: int = WARMUP) -> dict:
+    """Issue 27 item 2: ``share_prefixes=True`` — every micro-batch a prefix tree — under a hidden varlen
+    truth (``TREE_TRUTHS``) that prices each tree by its trie (linear per unique token, attention per
+    token over its path). The meter records the plan's tree ``Micro``s (their trie features); its
+    plans are scored against the plan made with the truth (oracle) and with the prior alone."""
+    max_len, cap, group = FAMILIES[family]
+    slow, over = TREE_TRUTHS[truth_name]
+    machine = truth(slow, over, cap)
+    prior = mp.FlopsCost.from_hf_config(LLAMA2_7B)
+    meter = mp.CostMeter(prior=prior, explore_steps=warmup)
+    rng = np.random.default_rng(seed)
+    steps = steps_of(family, max_len=max_len, group=group, dp=dp, spg=SPG[seed % len(SPG)], count=warmup + SCORED,
+                     seed=seed, shared=True, prompt_len=TREE_PROMPTS)
+    base = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, share_prefixes=True)
+    out: dict = dict(family=family, dp=dp, seed=seed, truth=truth_name, metered=[], oracle=[], uncal=[], shared=[])
+    for s, batch in enumerate(steps):
+        plan = mp.plan(batch, meter.explore_config(base, batch))
+        if s >= warmup:
+            out["metered"].append(score(plan, machine))
+            out["oracle"].append(score(mp.plan(batch, replace(base, cost=machine)), machine))
+            out["uncal"].append(score(mp.plan(batch, replace(base, cost=prior)), machine))
+        trees = [m for st in plan.steps for row in st.micros for m in row if m.tree is not None]
+        out["shared"].append(sum(m.num_tokens for m in trees) / max(1, sum(int(m.seq_lens.sum()) for m in trees)))
+        for micro, t in measured_seconds(plan, machine, noise, rng):
+            meter.record(micro, t)
+    out["fit"] = meter.report().cost.to_dict()
+    return out
+
+
+def summarise_trees(rows: list[dict]) -> list[dict]:
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["family"], r["dp"], r["truth"]), []).append(r)
+    out = []
+    for (fam, dp, tr), rs in groups.items():
+        met, ora, unc = (np.array([v for r in rs for v in r[k]]) for k in ("metered", "oracle", "uncal"))
+        out.append(dict(family=fam, dp=dp, truth=tr, steps=int(met.size), gap=(float(np.median(met - ora)),
+                        float((met - ora).max())), uncal_gap=(float(np.median(unc - ora)), float((unc - ora).max())),
+                        metered=float(np.median(met)), unique_share=float(np.median([v for r in rs for v in r["shared"]]))))
+    return out
+
+
+def format_trees(summary: list[dict]) -> str:
+    lines = [f"{'family':<19}{'dp':>4}  {'truth':<12}{'met-oracle med/worst':>24}{'prior-oracle med/worst':>26}"
+             f"{'metered':>9}{'unique/flat tokens':>20}", "-" * 114]
+    for c in summary:
+        lines.append(f"{c['family']:<19}{c['dp']:>4}  {c['truth']:<12}{c['gap'][0]:>+12.4f}/{c['gap'][1]:+.4f}"
+                     f"{c['uncal_gap'][0]:>+14.4f}/{c['uncal_gap'][1]:+.4f}{c['metered']:>9.4f}{c['unique_share']:>20.3f}")
+    return "\n".join(lines)
+
+
 def run_dense_grid(seeds: range, families: list[str], explore: bool = True) -> list[dict]:
     """Issue 27 item 1: every family x dp 8/32 x ``DENSE_GRID`` truth x ``SHAPES``, from the default
     prior (``FlopsCost.from_hf_config``, attention not told), scored against the best cap-swept plan."""
@@ -336,6 +392,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
     ap.add_argument("--dense-grid", action="store_true", help="the dense grid of issue 27 (item 1) instead")
+    ap.add_argument("--trees", action="store_true", help="share_prefixes=True under a trie-priced truth (issue 27 item 2)")
     ap.add_argument("--no-explore", action="store_true", help="--dense-grid: a meter that never probes (baseline)")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps before scoring (default %(default)s)")
@@ -363,6 +420,24 @@ def main(argv: list[str] | None = None) -> dict:
             name += "-nohedge" if args.no_hedge else ""
             name += "-local" if args.placement == "local" else ""
             print(f"wrote {save_json(name, result)}.json")
+        return result
+    if args.trees:
+        rows = [run_tree_case(fam, dp, seed, tr) for fam in args.families for dp in (8, 32) for tr in TREE_TRUTHS
+                for seed in seeds]
+        summary = summarise_trees(rows)
+        print(f"share_prefixes=True, a hidden trie-priced truth: lockstep / LB metered − oracle (median/worst over "
+              f"{len(seeds)} seeds x {SCORED} scored steps after {WARMUP} warm-up steps, {NOISE:.0%} noise); prior − "
+              "oracle: the plan a meter that learns nothing from trees keeps (the prior)")
+        print(format_trees(summary))
+        targets = {"trees: metered within 0.002 of the oracle (median, every cell)":
+                   all(c["gap"][0] <= 0.002 for c in summary)}
+        for k, ok in targets.items():
+            print(f"  {'met' if ok else 'MISSED'}: {k}")
+        result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
+                      truths=TREE_TRUTHS, warmup=WARMUP, scored=SCORED, noise=NOISE, targets=targets,
+                      summary=summary, rows=rows)
+        if not args.no_write:
+            print(f"wrote {save_json('meter-trees' + ('' if len(seeds) == 6 else f'-seeds{len(seeds)}'), result)}.json")
         return result
     if args.dense_grid:
         rows = run_dense_grid(seeds, args.families, explore=not args.no_explore)

@@ -4,7 +4,8 @@ Design note. A plan is only as good as the cost model it balances, so these benc
 score a plan with the model it was planned with. A *truth* is a cost model standing in for the
 machine (attention slower per FLOP than the weight GEMMs, a per-micro-batch overhead, or a
 dense kernel whose attention is T² of the packed row); *measured* times are the truth's
-micro-batch cost times (1 + noise·N(0, 1)). Plans are scored by their lockstep time under the
+micro-batch cost times (1 + noise·N(0, 1)); a prefix-tree micro-batch (``share_prefixes``) costs
+what its trie holds: linear per unique token, attention per token over its whole path (depth²). Plans are scored by their lockstep time under the
 noise-free truth over the truth's own lower bound (``microplan.stats.step_lower_bound``).
 
 Model: a Llama-2-7B-shaped dense decoder (``LLAMA2_7B``), FLOPs from ``from_hf_config``.
@@ -46,8 +47,8 @@ def measured_seconds(plan: mp.Plan, machine: mp.FlopsCost, noise: float, rng: np
     """(micro, seconds) of every micro-batch of every rank: truth x (1 + noise·N(0,1))."""
     for step in plan.steps:
         for row in step.micros:
-            for micro in row:
-                t = machine.micro_cost(micro.seq_lens if micro.num_samples else [1])
+            for micro in row:  # a prefix-tree Micro is priced by its trie (unique tokens, depth²)
+                t = machine.micro_cost(micro if micro.num_samples else [1])
                 yield micro, t * max(1.0 + noise * rng.standard_normal(), 0.05)
 
 
@@ -64,18 +65,25 @@ def score(plan: mp.Plan, machine: mp.FlopsCost) -> float:
     return lock / lb
 
 
-def steps_of(family: str, *, max_len: int, group: int, dp: int, spg: int, count: int, seed: int) -> list[mp.Batch]:
-    """``count`` consecutive optimizer steps of whole prompts, each holding >= dp·spg samples."""
+def steps_of(family: str, *, max_len: int, group: int, dp: int, spg: int, count: int, seed: int,
+             shared: bool = False, prompt_len: tuple[int, int] | None = None) -> list[mp.Batch]:
+    """``count`` consecutive optimizer steps of whole prompts, each holding >= dp·spg samples;
+    ``shared``: with the generator's prefix forest (a sample's parent is in its own prompt, so in its step)."""
     per_prompt = group * (2 if family == "stepwise-multiturn" else 1)
     prompts = (-(-dp * spg // per_prompt) + 2) * count * 2
-    b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed)
+    b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed, prompt_len=prompt_len)
     pid = np.asarray(b.prompt_ids)
     out, start = [], 0
     for _ in range(count):
         want = min(start + dp * spg, pid.size) - 1
         cut = int(np.searchsorted(pid, pid[want], side="right"))
         sl = slice(start, cut)
+        extra = {}
+        if shared:
+            parent = np.asarray(b.prefix_parent)[sl]
+            extra = dict(prefix_parent=np.where(parent >= 0, parent - start, -1),
+                         shared_prefix_lens=np.asarray(b.shared_prefix_lens)[sl])
         out.append(mp.Batch(b.seq_lens[sl], loss_tokens=b.loss_tokens[sl], prompt_ids=pid[sl],
-                            rollout_ids=np.asarray(b.rollout_ids)[sl]))
+                            rollout_ids=np.asarray(b.rollout_ids)[sl], **extra))
         start = cut
     return out

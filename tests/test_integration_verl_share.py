@@ -80,13 +80,14 @@ def _pass(path: str, share: bool | None) -> dict:
         attention = eng.module.config._attn_implementation  # the model's own is back after each loop
         from microplan.integrations._verl_meter import STATE as METER
         records = METER["meter"].num_records if METER["meter"] is not None else -1
+        tree_records = METER["tree_records"]
     finally:
         if share is not None:
             mpv.uninstall()
     return {"log_probs": [t.numpy().copy() for t in lp["log_probs"].unbind()],  # numpy: tensors would travel
             "entropy": [t.numpy().copy() for t in lp["entropy"].unbind()],        # as shared memory that dies
             "delta": delta, "loss": out["loss"], "counts": tuple(counts), "attention": attention,
-            "records": records}  # with the rank
+            "records": records, "tree_records": tree_records}  # with the rank
 
 
 def _worker(rank: int, world: int, path: str) -> dict:
@@ -144,8 +145,9 @@ def test_tree_rows_compute_each_shared_prompt_once(runs):
         assert micros > 0 and computed < unshared, run["shared"]["counts"]
         assert run["unshared"]["counts"] == (0, 0, 0)  # share_prefixes=False: verl's own forward
         assert {r["attention"] for r in run.values()} == {"sdpa"}
-        # the meter learns from flat micro-batches only: a tree's time is not a function of its lengths
-        assert run["unshared"]["records"] > 0 and run["shared"]["records"] == 0, run
+        # the meter learns from every micro-batch the update runs, tree rows (priced by their trie) included
+        assert run["unshared"]["records"] > 0 and run["shared"]["records"] > 0, run
+        assert run["shared"]["tree_records"] > 0, run
         print(f"rank {rank}: tokens computed {computed} shared vs {unshared} unshared over {micros} micro-batches "
               "(log-prob + update passes)")
 

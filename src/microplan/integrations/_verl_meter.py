@@ -13,7 +13,9 @@ Metering (``install(meter=True)``, the default): :func:`wrap_engine` wraps verl'
 ``forward_backward_batch`` (training passes, not the forward-only log-prob passes): each
 micro-batch's time is the span between consecutive ``forward_step`` calls (its forward and the
 backward verl runs right after), stamped with CUDA events on GPU (no sync in the loop) or the
-host clock on CPU; after the loop, ONE synchronisation and ONE ``all_gather_object`` over the
+host clock on CPU; a micro-batch that ran as a prefix-tree row (``_verl_tree``, ``install(share_prefixes=True)``)
+is recorded as its tree ``Micro``, priced by its trie (unique tokens, each token's attention over its path),
+so the meter learns from shared and flat micro-batches alike; after the loop, ONE synchronisation and ONE ``all_gather_object`` over the
 data-parallel group give every rank all ranks' records, which every rank records in the same
 order — so every rank holds the same fit and plans the same plan (the plan fingerprints keep
 agreeing). The step's predicted lockstep time (Σ over slots of the slowest rank, by the model the
@@ -32,18 +34,21 @@ import numpy as np
 
 from ..cost.meter import CostMeter
 from ..cost.models import CostModel, FlopsCost, TokenCost
+from ..types import Micro
 
 __all__ = ["STATE", "current_cost", "set_model", "wrap_engine", "unwrap_engines", "effective_lengths", "FALLBACK"]
 
 #: with no cost, no records and no model config: tokens plus 256 tokens' worth per micro-batch.
 FALLBACK = TokenCost(per_micro=256.0)
-STATE: dict[str, Any] = {"cost": None, "prior": None, "meter": None, "metering": True, "forward_only": False}
+STATE: dict[str, Any] = {"cost": None, "prior": None, "meter": None, "metering": True, "forward_only": False,
+                         "tree_records": 0}  # records of tree micro-batches since reset
 _WRAPPED: list[tuple[Any, str, Any]] = []
 
 
 def reset(*, cost: CostModel | None = None, hf_config: Any = None, metering: bool = True) -> None:
     prior = FlopsCost.from_hf_config(hf_config) if hf_config is not None else None
-    STATE.update(cost=cost, prior=prior, metering=metering, meter=CostMeter(prior=prior) if prior is not None else None)
+    STATE.update(cost=cost, prior=prior, metering=metering, meter=CostMeter(prior=prior) if prior is not None else None,
+                 tree_records=0)
 
 
 def set_model(hf_config: Any) -> None:
@@ -116,8 +121,8 @@ def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
         mark()
         n = TREE["micro_batches"]
         out = step(micro_batch, *args, **kwargs)
-        # a prefix-tree micro-batch's time is not a function of its samples' lengths: not recorded
-        lens.append(effective_lengths(micro_batch) if TREE["micro_batches"] == n else None)
+        # a prefix-tree micro-batch ran its trie: its Micro (unique tokens, each token's path) prices it
+        lens.append(effective_lengths(micro_batch) if TREE["micro_batches"] == n else TREE["last_tree"])
         return out
     engine.forward_step = timed_step
     try:
@@ -130,7 +135,7 @@ def _metered(engine: Any, original: Any, data: Any, loss_function: Any) -> Any:
         seconds = [marks[i].elapsed_time(marks[i + 1]) / 1e3 for i in range(len(marks) - 1)]
     else:
         seconds = [marks[i + 1] - marks[i] for i in range(len(marks) - 1)]
-    ranks = _gather(engine, [(None if ln is None else ln.tolist(), s) for ln, s in zip(lens, seconds)])
+    ranks = _gather(engine, [(ln.tolist() if isinstance(ln, np.ndarray) else ln, s) for ln, s in zip(lens, seconds)])
     _record(ranks, planned, out)
     return out
 
@@ -150,17 +155,17 @@ def _record(ranks: list[list], planned: CostModel, out: Any) -> None:
     """Record every rank's micro-batches (same order on every rank); report predicted vs measured."""
     meter: CostMeter = STATE["meter"]
     calibrated = bool(meter.num_records)
-    if any(e[0] is None for r in ranks for e in r):  # prefix trees ran (see timed_step): no prediction to compare
-        calibrated = False
-        ranks = [[(e[0] if e[0] is not None else [], e[1]) for e in r] for r in ranks]
+    # each entry: a flat micro-batch's lengths, or a tree micro-batch's Micro (priced by its trie)
+    ranks = [[(e if isinstance(e, Micro) else np.asarray(e, dtype=np.int64), s) for e, s in r] for r in ranks]
     K = max(len(r) for r in ranks)
-    pred = sum(max((planned.micro_cost(np.asarray(r[m][0])) if m < len(r) else 0.0) for r in ranks)
+    pred = sum(max((planned.micro_cost(r[m][0]) if m < len(r) else 0.0) for r in ranks)
                for m in range(K)) if calibrated else 0.0
     meas = sum(max((r[m][1] if m < len(r) else 0.0) for r in ranks) for m in range(K))
     for r in ranks:
-        for seq_lens, seconds in r:
-            if len(seq_lens) and seconds > 0:
-                meter.record(np.asarray(seq_lens, dtype=np.int64), float(seconds))
+        for what, seconds in r:
+            if len(what.seq_lens if isinstance(what, Micro) else what) and seconds > 0:
+                meter.record(what, float(seconds))
+                STATE["tree_records"] += isinstance(what, Micro)
     if isinstance(out, dict):
         metrics = out.setdefault("metrics", {})
         metrics["microplan/measured_s"] = [meas]

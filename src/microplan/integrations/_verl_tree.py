@@ -38,7 +38,7 @@ import numpy as np
 __all__ = ["TokenCounts", "token_counts", "wrap_lm_engine", "unwrap", "sharing_engine", "eligible", "trie", "STATE"]
 
 STATE: dict[str, Any] = {"share": False, "engine": None, "computed": 0, "unshared": 0, "micro_batches": 0,
-                         "restore": None}  # (model, its own attention) while a tree micro-batch's attention is set
+                         "restore": None, "last_tree": None}  # (model, its own attention) while a tree micro-batch's attention is set
 _WRAPPED: list[tuple[Any, str, Any]] = []
 _KEY = "microplan_tree"
 
@@ -171,6 +171,7 @@ def trie(micro_batch: Any) -> Any:
     micro = Micro(members, lens, np.maximum(lens - 1, 0), np.zeros(lens.size),
                   tree=micro_tree(parent, shared, lens, members))
     packed = pack_micro(micro, tokens)
+    STATE["last_tree"] = micro  # the meter prices this micro-batch's time by its trie (_verl_meter)
     STATE["computed"] += packed.num_tokens
     STATE["unshared"] += int(lens.sum())
     STATE["micro_batches"] += 1
