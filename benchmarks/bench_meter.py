@@ -111,7 +111,8 @@ def informed_fit(records: list[tuple[float, float, float]], per_micro: float) ->
 
 def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = False, *,
              spec: tuple | None = None, noise: float = NOISE, warmup: int = WARMUP, informed: bool = False,
-             hedge: bool = True, placement: str = "global", shape: str = "family", sweep: bool | None = None, explore: bool = True) -> dict:
+             hedge: bool = True, placement: str = "global", shape: str = "family", sweep: bool | None = None,
+             explore: bool = True) -> dict:
     """One run of ``warmup`` + SCORED steps under a truth (``spec``: (slowdown, overhead, packed), else
     ``TRUTHS[truth_name]``) with timing noise ``noise``; ``informed``: also plan the scored steps
     with :func:`informed_fit` of the same records. The meter hedges (``CostMeter(hedge=...)``); each
@@ -182,7 +183,8 @@ def run_case(family: str, dp: int, seed: int, truth_name: str, all_k: bool = Fal
             records.append((float(lens.sum()), float((lens * lens).sum()), t))
     rep = meter.report()
     out["explore_cost"] = warm_extra / warm_time if warm_time > 0 else 0.0
-    out["probes"] = [dict(step=p.step, cap=p.cap, fraction=p.fraction, predicted_share=p.extra_share) for p in rep.probes]
+    out["probes"] = [dict(step=p.step, cap=p.cap, fraction=p.fraction, predicted_share=p.extra_share)
+                     for p in rep.probes]
     out["regime"], out["evidence"] = rep.regime, rep.regime_evidence
     out["prior_terms"] = list(rep.prior_terms)
     out["meter_error"] = rep.recent_median_error
@@ -198,8 +200,9 @@ def summarise(rows: list[dict]) -> list[dict]:
     for (fam, dp, tr, shape), rs in groups.items():
         cell = lambda key: [v for r in rs for v in r[key]]  # noqa: E731
         met, ora, unc = np.array(cell("metered")), np.array(cell("oracle")), np.array(cell("uncal"))
-        s = dict(family=fam, dp=dp, truth=tr if shape == "family" else f"{tr}@{shape}", shape=shape, steps=int(met.size),
-                 explore_cost=(float(np.median([r["explore_cost"] for r in rs])), float(max(r["explore_cost"] for r in rs))),
+        ec = [r["explore_cost"] for r in rs]
+        s = dict(family=fam, dp=dp, truth=tr if shape == "family" else f"{tr}@{shape}", shape=shape,
+                 steps=int(met.size), explore_cost=(float(np.median(ec)), float(max(ec))),
                  probes=float(np.mean([len(r["probes"]) for r in rs])),
                  regimes=sorted({str(r["regime"]) for r in rs}),
                  metered=(float(np.median(met)), float(met.max())), oracle=(float(np.median(ora)), float(ora.max())),
@@ -294,7 +297,8 @@ def summarise_trees(rows: list[dict]) -> list[dict]:
         met, ora, unc = (np.array([v for r in rs for v in r[k]]) for k in ("metered", "oracle", "uncal"))
         out.append(dict(family=fam, dp=dp, truth=tr, steps=int(met.size), gap=(float(np.median(met - ora)),
                         float((met - ora).max())), uncal_gap=(float(np.median(unc - ora)), float((unc - ora).max())),
-                        metered=float(np.median(met)), unique_share=float(np.median([v for r in rs for v in r["shared"]]))))
+                        metered=float(np.median(met)),
+                        unique_share=float(np.median([v for r in rs for v in r["shared"]]))))
     return out
 
 
@@ -303,15 +307,16 @@ def format_trees(summary: list[dict]) -> str:
              f"{'metered':>9}{'unique/flat tokens':>20}", "-" * 114]
     for c in summary:
         lines.append(f"{c['family']:<19}{c['dp']:>4}  {c['truth']:<12}{c['gap'][0]:>+12.4f}/{c['gap'][1]:+.4f}"
-                     f"{c['uncal_gap'][0]:>+14.4f}/{c['uncal_gap'][1]:+.4f}{c['metered']:>9.4f}{c['unique_share']:>20.3f}")
+                     f"{c['uncal_gap'][0]:>+14.4f}/{c['uncal_gap'][1]:+.4f}{c['metered']:>9.4f}"
+                     f"{c['unique_share']:>20.3f}")
     return "\n".join(lines)
 
 
 def run_dense_grid(seeds: range, families: list[str], explore: bool = True) -> list[dict]:
     """Issue 27 item 1: every family x dp 8/32 x ``DENSE_GRID`` truth x ``SHAPES``, from the default
     prior (``FlopsCost.from_hf_config``, attention not told), scored against the best cap-swept plan."""
-    return [run_case(fam, dp, seed, tr, shape=shape, explore=explore) for fam in families for dp in (8, 32) for tr in DENSE_GRID
-            for shape in SHAPES for seed in seeds]
+    return [run_case(fam, dp, seed, tr, shape=shape, explore=explore) for fam in families for dp in (8, 32)
+            for tr in DENSE_GRID for shape in SHAPES for seed in seeds]
 
 
 def dense_targets(summary: list[dict]) -> dict[str, bool]:
@@ -392,7 +397,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--grid", action="store_true", help="the grid of varlen truths of issue 20 (item 2) instead")
     ap.add_argument("--dense-grid", action="store_true", help="the dense grid of issue 27 (item 1) instead")
-    ap.add_argument("--trees", action="store_true", help="share_prefixes=True under a trie-priced truth (issue 27 item 2)")
+    ap.add_argument("--trees", action="store_true",
+                    help="share_prefixes=True under a trie-priced truth (issue 27 item 2)")
     ap.add_argument("--no-explore", action="store_true", help="--dense-grid: a meter that never probes (baseline)")
     ap.add_argument("--families", nargs="*", default=list(FAMILIES))
     ap.add_argument("--warmup", type=int, default=WARMUP, help="warm-up steps before scoring (default %(default)s)")
@@ -451,11 +457,14 @@ def main(argv: list[str] | None = None) -> dict:
         for k, ok in targets.items():
             print(f"  {'met' if ok else 'MISSED'}: {k}")
         result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), quick=args.quick,
-                      truths={k: dict(zip(("attention_slowdown", "overhead", "packed"), v)) for k, v in DENSE_GRID.items()},
-                      shapes=list(SHAPES), explore=not args.no_explore, warmup=WARMUP, scored=SCORED, noise=NOISE, targets=targets,
+                      truths={k: dict(zip(("attention_slowdown", "overhead", "packed"), v))
+                              for k, v in DENSE_GRID.items()},
+                      shapes=list(SHAPES), explore=not args.no_explore, warmup=WARMUP, scored=SCORED, noise=NOISE,
+                      targets=targets,
                       summary=summary, rows=rows)
         if not args.no_write:
-            name = "meter-dense-grid" + ("" if len(seeds) == 6 else f"-seeds{len(seeds)}") + ("-noexplore" if args.no_explore else "")
+            name = "meter-dense-grid" + ("" if len(seeds) == 6 else f"-seeds{len(seeds)}")
+            name += "-noexplore" if args.no_explore else ""
             print(f"wrote {save_json(name, result)}.json")
         return result
     rows = [run_case(fam, dp, seed, tr, all_k=tr.startswith("dense")) for fam in FAMILIES for dp in (8, 32) for seed in seeds for tr in TRUTHS]

@@ -5,8 +5,8 @@ score a plan with the model it was planned with. A *truth* is a cost model stand
 machine (attention slower per FLOP than the weight GEMMs, a per-micro-batch overhead, or a
 dense kernel whose attention is T² of the packed row); *measured* times are the truth's
 micro-batch cost times (1 + noise·N(0, 1)); a prefix-tree micro-batch (``share_prefixes``) costs
-what its trie holds: linear per unique token, attention per token over its whole path (depth²). Plans are scored by their lockstep time under the
-noise-free truth over the truth's own lower bound (``microplan.stats.step_lower_bound``).
+what its trie holds: linear per unique token, attention per token over its whole path (depth²).
+Plans are scored by their lockstep time under the noise-free truth over the truth's own lower bound (``microplan.stats.step_lower_bound``).
 
 Model: a Llama-2-7B-shaped dense decoder (``LLAMA2_7B``), FLOPs from ``from_hf_config``.
 """
@@ -71,7 +71,8 @@ def steps_of(family: str, *, max_len: int, group: int, dp: int, spg: int, count:
     ``shared``: with the generator's prefix forest (a sample's parent is in its own prompt, so in its step)."""
     per_prompt = group * (2 if family == "stepwise-multiturn" else 1)
     prompts = (-(-dp * spg // per_prompt) + 2) * count * 2
-    b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed, prompt_len=prompt_len)
+    b = generate(family, num_prompts=prompts, samples_per_prompt=group, max_len=max_len, seed=seed,
+                 prompt_len=prompt_len)
     pid = np.asarray(b.prompt_ids)
     out, start = [], 0
     for _ in range(count):

@@ -22,8 +22,8 @@ CFG = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num
 CAP = 32768
 _F = mp.FlopsCost.from_hf_config(CFG, attention="flops", per_micro=0.0)
 # a dense kernel (every T² pair of a pack at GEMM speed; a lone sample its causal L²), in seconds
-DENSE = mp.FlopsCost(linear=_F.linear * 1e-15, quadratic=_F.quadratic * 1e-15, packed_quadratic=2 * _F.quadratic * 1e-15,
-                     per_micro=0.02 * _F.linear * CAP * 1e-15)
+DENSE = mp.FlopsCost(linear=_F.linear * 1e-15, quadratic=_F.quadratic * 1e-15,
+                     packed_quadratic=2 * _F.quadratic * 1e-15, per_micro=0.02 * _F.linear * CAP * 1e-15)
 VARLEN = mp.FlopsCost(linear=_F.linear * 1e-15, quadratic=2 * _F.quadratic * 1e-15, per_micro=DENSE.per_micro)
 
 

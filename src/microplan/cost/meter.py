@@ -6,16 +6,20 @@ work) and the measured seconds y. :meth:`CostMeter.cost` returns the model to pl
 step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
 
 1. Scale. The prior (``from_hf_config`` in FLOPs, a profile in seconds, or none = tokens) is
-   rescaled by the one factor s that best explains the records (relative least squares):
-   one timed micro-batch already turns FLOPs into seconds.
+   rescaled by the one factor s that best explains the records (relative least squares), per
+   regime (under that regime's features): one timed micro-batch already turns FLOPs into seconds.
 2. Prior. θ ~ N(s·θ₀, τ²) per coefficient with relative widths (linear ±30 %, per_micro and
    attention ±100 %), and a floor so a zero prior coefficient can still grow to explain ~5 % of a
    typical record. This is what keeps the fit sane on the nearly collinear rows a balanced plan
    produces (every micro-batch near the cap): directions the records do not identify stay at the
    prior.
 3. Regime. Both kernel regimes of ``microplan.cost.models`` are fitted — varlen (Σ L² for every
-   micro-batch) and dense (T² for packs of two or more samples, L² for a lone sample) — and the
-   prior's regime is kept unless the other explains the records 5 % better (weighted residual).
+   micro-batch) and dense (T² for packs of two or more samples, L² for a lone sample). The
+   evidence is the log-likelihood ratio of the two MAP fits (half the difference of their
+   objectives, residual + prior penalty, in units of the noise the records show when that is
+   above the assumed one): at least ``EVIDENCE`` (3 nats) either way decides. Short of that the
+   regime last decided at a ``cost()`` call is kept (records of one-sample micro-batches price
+   alike in both), else the prior's unless the other explains the records 5 % better.
 4. Likelihood. Records weigh 1/(σ·y) (relative timing noise σ, default 5 %) times an
    exponential decay by age (``half_life`` records), over a bounded window of the last
    ``window`` records — memory is O(window) whatever the run length.
@@ -29,6 +33,13 @@ step with — a maximum a posteriori fit of seconds ≈ θ·x, θ >= 0:
    still has to guess. With ``hedge=True`` (default)
    the model handed out carries it as ``FlopsCost.attention_rel_sd`` (from ±2 %, at most ±50 %),
    and the planner balances for every machine within ±1 sd (``microplan.stages.hedge``).
+
+Exploration (``cost/explore.py``). Records of micro-batches that all hold ~the cap's tokens leave
+the regime open (T² is a constant over them). While the evidence is short of ``EVIDENCE``, the
+attention term sits at its prior, or attention/linear is known worse than ``EXPLORE_SD``,
+:meth:`CostMeter.explore_config` plans warm-up steps 2 .. ``explore_steps`` at a lower cap (a
+probe) whose extra lockstep time is at most ``explore_budget`` under each regime's fit; the
+report names the regime, its evidence, what is still unidentified and every probe's cost.
 
 CP. A record of a micro-batch split over c > 1 GPUs (``cp_size``) is fitted separately: when the
 window also holds unsplit records, the base model is fitted on those alone and the CP term
@@ -51,128 +62,32 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .._checks import float_field, int_field
 from ..errors import PlanError
-from .calibrate import nnls
 from .cp import cp_micro_costs
 from .cpfit import fit_cp
-from .explore import DEFAULT_EXPLORE_BUDGET, Explorer, Probe, hypotheses_of
+from .explore import DEFAULT_EXPLORE_BUDGET, Explorer, hypotheses_of
+from .mapfit import TERMS, Fit, evidence, map_fit, ratio_sd, rescale
+from .meter_report import MeterReport, errors
 from .models import CostModel, FlopsCost, TokenCost, micro_features
 
 if TYPE_CHECKING:
     from ..batch import Batch
     from ..config import PlanConfig
 
-__all__ = ["CostMeter", "MeterReport"]
+__all__ = ["CostMeter", "MeterReport", "EVIDENCE", "EXPLORE_SD"]
 
-_REL_WIDTH = np.array([0.3, 1.0, 1.0, 1.0])   # prior width, relative to the prior coefficient
-_FLOOR = 0.05                                  # a zero prior may still explain 5 % of a typical record
-_ATTN_WIDTH = 1.0                              # each attention term: ±100 %
 _REGIME_MARGIN = 0.05                          # the other regime must explain the records 5 % better
 EVIDENCE = 3.0                                 # |log-likelihood ratio| of the regimes (nats) that decides them
 EXPLORE_SD = 0.1                               # explore while attention/linear is known worse than ±10 %
-_PRIOR_SHARE = 0.5                             # a term whose posterior variance is > 50 % of its prior's: "from the prior"
 HEDGE_MIN_SD = 0.02                            # hedge (attention_rel_sd) only when attention is known worse than ±2 %
 HEDGE_MAX_SD = 0.5                             # ... and never over more than ±50 %
 MAX_SPREAD = 1e9                               # record(): refuse a timing this far from the window's typical one
-TERMS = ("linear", "quadratic", "packed_quadratic", "per_micro")
-
-
-class _Fit(NamedTuple):
-    """One regime's MAP fit."""
-
-    theta: np.ndarray            # the coefficients (TERMS order), in units of a typical record
-    residual: float              # its weighted data residual (sum of squares)
-    held: tuple[str, ...]        # terms the records leave at the prior
-    std: np.ndarray              # posterior standard deviation of each coefficient (0 where not free)
-    cov: np.ndarray              # posterior covariance [4, 4] (0 where not free)
-    penalty: float = 0.0         # its prior penalty (sum of squares): residual + penalty = the MAP objective
-
-
-@dataclass(frozen=True, kw_only=True)
-class MeterReport:
-    """What the meter knows and how well the model it handed out predicted the machine.
-
-    Attributes:
-        num_records: records ever made; window_records: records in the window now.
-        cost: the current fit (what :meth:`CostMeter.cost` returns).
-        recent_median_error / recent_max_error: ``|predicted/measured - 1|`` of the records made
-            since the meter last handed out a model, predicted by that model (None before the
-            first ``cost()`` call or when no record followed it). While that model is still the
-            prior (no record had arrived), it may be in other units (FLOPs), so its predictions
-            are first rescaled by the one factor that fits those records best (median ratio):
-            the error of its *shape*.
-        fit_median_error: the same for the current fit, in-sample over the window.
-        scale: seconds per prior unit (e.g. per FLOP) the records imply.
-        prior_terms: the fit's terms the records do not identify — their posterior variance is
-            still more than half the prior's (e.g. ``per_micro`` when every micro-batch holds about
-            the same tokens, so it cannot be told from ``linear``) — left at the (rescaled) prior.
-        cp_note: how the CP term was obtained (fitted on how many split micro-batches, which of
-            its terms the records leave at the prior, or why it is the prior's); "" without one.
-        attention_rel_std: the posterior standard deviation of the fit's attention-to-linear ratio
-            (``quadratic``, or ``packed_quadratic`` for a dense kernel, over ``linear``; their
-            covariance included: near the cap ``per_micro`` trades off against ``linear``), relative
-            to its value, scaled to the noise the records show — how well the records pin the ratio
-            that balancing depends on (None before any record). At 5 % timing noise, three warm-up
-            steps leave it at ~5-15 %; ``cost()`` hands it to the planner, which hedges against it
-            (``FlopsCost.attention_rel_sd``).
-    """
-
-    num_records: int
-    window_records: int
-    cost: CostModel
-    recent_median_error: float | None
-    recent_max_error: float | None
-    fit_median_error: float | None
-    scale: float | None
-    prior_terms: tuple[str, ...] = ()
-    cp_note: str = ""
-    attention_rel_std: float | None = None
-    regime: str | None = None
-    regime_evidence: float | None = None
-    explore_reason: str = ""
-    probes: tuple[Probe, ...] = ()
-
-    @property
-    def exploration_seconds(self) -> float:
-        """What the probes cost: Σ of their predicted extra lockstep time (the worse regime's fit)."""
-        return float(sum(p.extra_seconds for p in self.probes))
-
-    def __str__(self) -> str:
-        rec = "n/a" if self.recent_median_error is None else \
-            f"{self.recent_median_error:.1%} median, {self.recent_max_error:.1%} worst"
-        fit = "n/a" if self.fit_median_error is None else f"{self.fit_median_error:.1%}"
-        held = (f"; from the prior (the records do not identify them): {', '.join(self.prior_terms)}"
-                if self.prior_terms else "")
-        if self.attention_rel_std is not None:
-            held += f"; attention term (relative to linear) known to ±{self.attention_rel_std:.1%} (1 sd)"
-        if self.regime is not None:
-            held += (f"; regime {self.regime} (log-likelihood ratio dense:varlen {self.regime_evidence:+.1f})"
-                     + (f", still exploring: {self.explore_reason}" if self.explore_reason else ""))
-        if self.probes:
-            held += (f"; explored {len(self.probes)} step(s) at caps {', '.join(str(p.cap) for p in self.probes)}, "
-                     f"predicted cost {self.exploration_seconds:+.4g} s "
-                     f"({sum(p.extra_seconds for p in self.probes) / sum(p.step_seconds for p in self.probes):+.2%})")
-        return (f"CostMeter: {self.num_records} records ({self.window_records} in window); planned-model error "
-                f"{rec}; refit error {fit}; {getattr(self.cost, 'describe', lambda: repr(self.cost))()}{held}"
-                + (f"; {self.cp_note}" if self.cp_note else ""))
-
-
-def _errors(pairs: list[tuple[float, float]], scale_free: bool) -> np.ndarray:
-    """``|predicted/measured - 1|`` per record; ``scale_free``: after the best single rescale."""
-    if not pairs:
-        return np.zeros(0)
-    pred, meas = np.array(pairs).T
-    ratio = pred / meas
-    if scale_free:
-        k = float(np.median(ratio))
-        ratio = ratio / k if k > 0 else ratio
-    return np.abs(ratio - 1.0)
 
 
 def _predict(cost: FlopsCost, x: np.ndarray, c: int) -> float:
@@ -196,35 +111,6 @@ def _prior_coefficients(prior: CostModel | None) -> np.ndarray:
     except (TypeError, ValueError):  # pragma: no cover - defensive
         raise PlanError(f"CostMeter(prior={prior!r}) needs a TokenCost or FlopsCost (or a model with linear, "
                         "quadratic, packed_quadratic and per_micro attributes).") from None
-
-
-def _rescale(base: np.ndarray, y: np.ndarray, w: np.ndarray) -> float:
-    """The one factor that best explains the records ``y`` by the prior's predictions ``base`` (weighted)."""
-    den = float(np.sum(w * w * base * base))
-    return float(np.sum(w * w * base * y) / den) if den > 0 else 1.0
-
-
-def _evidence(var: _Fit, den: _Fit, m: int) -> float:
-    """log-likelihood ratio (nats) of the dense regime over the varlen one: half the difference of
-    their MAP objectives (data residual + prior penalty), in units of the noise the records show
-    when that is above the assumed noise (never sharper than assumed); 0 when either fit failed."""
-    jv, jd = var.residual + var.penalty, den.residual + den.penalty
-    if not (np.isfinite(jv) and np.isfinite(jd)):
-        return 0.0
-    dof = m - 4
-    seen2 = max(min(var.residual, den.residual) / dof, 1.0) if dof >= 3 else 1.0
-    return float((jv - jd) / (2.0 * seen2))
-
-
-def _ratio_sd(fit: _Fit, a: int, seen: float) -> float | None:
-    """Relative posterior sd of attention / linear (what balancing depends on: per_micro and linear
-    trade off on micro-batches near the cap, and that error moves the ratio too), by the delta
-    method on the posterior covariance, scaled by the noise the records show; None when undefined."""
-    th, C = fit.theta, fit.cov
-    if th[a] <= 0 or th[0] <= 0 or not np.all(np.isfinite(C[np.ix_((0, a), (0, a))])):
-        return None
-    var = C[a, a] / th[a] ** 2 + C[0, 0] / th[0] ** 2 - 2.0 * C[0, a] / (th[0] * th[a])
-    return float(np.sqrt(max(var, 0.0)) * seen)
 
 
 class CostMeter:
@@ -294,7 +180,7 @@ class CostMeter:
         self._evidence = 0.0                               # log-likelihood ratio dense : varlen (nats)
         self._dense = False                                # the regime of the current fit
         self._decided: bool | None = None                  # dense? as last decided by the evidence, at a cost() call
-        self._regime_fits: tuple[_Fit, _Fit] | None = None
+        self._regime_fits: tuple[Fit, Fit] | None = None
         self._hypotheses: tuple[np.ndarray, ...] = ()      # (varlen, dense) MAP coefficients in seconds
         self._explorer = Explorer(budget=explore_budget, steps=explore_steps)
         self.num_records = 0
@@ -390,8 +276,8 @@ class CostMeter:
     def report(self) -> MeterReport:
         """Drift and fit quality over the window (see :class:`MeterReport`)."""
         fit = self._current()
-        errs = _errors(self._recent, self._issued_prior) if self._recent else \
-            _errors(self._last_recent, self._last_prior)
+        errs = errors(self._recent, self._issued_prior) if self._recent else \
+            errors(self._last_recent, self._last_prior)
         fit_err = None
         if self._y and isinstance(fit, FlopsCost):
             pred = [_predict(fit, x, c) for x, c in zip(self._x, self._c)]
@@ -433,7 +319,7 @@ class CostMeter:
         # Each is rescaled by the one factor that best explains the records under its own features.
         var0 = np.array([t0[0], t0[1], 0.0, t0[3]])
         den0 = np.array([t0[0], t0[1], t0[2] if prior_dense else 2.0 * t0[1], t0[3]])
-        s_var, s_den = (_rescale(XX[:, :4] @ var0, y, w), _rescale(XX[:, 4:] @ den0, y, w))
+        s_var, s_den = (rescale(XX[:, :4] @ var0, y, w), rescale(XX[:, 4:] @ den0, y, w))
         s = s_den if prior_dense else s_var
         self._scale = s * unit
         mu_var, mu_den = s_var * var0, s_den * den0
@@ -444,7 +330,7 @@ class CostMeter:
         a = 2 if use_dense else 1
         dof = m - (4 if use_dense else 3)  # the noise the records show, not the one assumed (``noise``)
         seen = float(np.sqrt(fit.residual / dof)) if dof >= 3 and np.isfinite(fit.residual) else 1.0
-        self._attn_std = _ratio_sd(fit, a, seen)
+        self._attn_std = ratio_sd(fit, a, seen)
         if theta[:3].sum() <= 0 or not np.all(np.isfinite(theta)):
             theta, held, self._attn_std = (mu_den if use_dense else mu_var), tuple(TERMS), None
         self._prior_terms = tuple(t for t in held if use_dense or t != "packed_quadratic")
@@ -483,17 +369,17 @@ class CostMeter:
                          packed_quadratic=base.packed_quadratic, cp=cp, attention_rel_sd=base.attention_rel_sd)
 
     def _regimes(self, XX: np.ndarray, y: np.ndarray, w: np.ndarray, mu_var: np.ndarray, mu_den: np.ndarray,
-                 prior_dense: bool) -> tuple[_Fit, bool]:
+                 prior_dense: bool) -> tuple[Fit, bool]:
         """Both regimes' MAP fits and the one kept, with whether it is the dense one."""
         try:
-            fits = [self._map(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
-                    self._map(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
+            fits = [map_fit(XX[:, :4], y, w, mu_var, free=(0, 1, 3)),
+                    map_fit(XX[:, 4:], y, w, mu_den, free=(0, 1, 2, 3))]
         except (np.linalg.LinAlgError, ValueError, FloatingPointError):  # degenerate records: keep the prior
             nan = np.full(4, np.nan)
-            fits = [_Fit(mu_var, np.inf, TERMS, nan, np.full((4, 4), np.nan)),
-                    _Fit(mu_den, np.inf, TERMS, nan, np.full((4, 4), np.nan))]
+            fits = [Fit(mu_var, np.inf, TERMS, nan, np.full((4, 4), np.nan)),
+                    Fit(mu_den, np.inf, TERMS, nan, np.full((4, 4), np.nan))]
         var, den = fits
-        self._evidence = _evidence(var, den, y.size)
+        self._evidence = evidence(var, den, y.size)
         self._regime_fits = (var, den)
         # the dense regime only when the records say so clearly (and it keeps a packed term): decisive
         # evidence either way, else the prior's regime unless the other explains the records 5 % better
@@ -506,47 +392,6 @@ class CostMeter:
         else:
             use_dense = bool(den.residual < var.residual * (1 - _REGIME_MARGIN) and den.theta[2] > 0)
         return (den, True) if use_dense else (var, False)
-
-    def _map(self, X: np.ndarray, y: np.ndarray, w: np.ndarray, mu: np.ndarray,
-             free: tuple[int, ...]) -> _Fit:
-        """MAP fit over the coefficients ``free`` (others 0), its weighted data residual, the terms
-        the records leave at the prior (posterior variance > ``_PRIOR_SHARE`` of the prior's) and the
-        posterior standard deviations (Gaussian, ignoring θ >= 0)."""
-        typical = np.maximum(np.median(X, axis=0), X.mean(axis=0))
-        with np.errstate(divide="ignore"):
-            floor = np.where(typical > 0, _FLOOR * float(np.median(y)) / typical, 0.0)  # 0: no data on that term
-        attn = max(mu[1], mu[2])
-        tau = np.maximum(_REL_WIDTH * mu, floor)
-        tau[1] = max(_ATTN_WIDTH * attn, float(floor[1]))
-        tau[2] = max(_ATTN_WIDTH * attn, float(floor[2]))
-        tau = np.where((tau > 0) & np.isfinite(tau), tau, np.maximum(np.abs(mu), 1.0))
-        cols = list(free)
-        rows = [X[:, cols] * w[:, None]]
-        rhs = [y * w]
-        for k, j in enumerate(cols):
-            e = np.zeros(len(cols))
-            e[k] = 1.0 / tau[j]
-            rows.append(e[None])
-            rhs.append(np.array([mu[j] / tau[j]]))
-        A = np.vstack(rows)
-        b = np.concatenate(rhs)
-        norms = np.linalg.norm(A, axis=0)
-        An = A / norms
-        sol = nnls(An, b) / norms
-        theta = np.zeros(4)
-        theta[cols] = sol
-        r = (X @ theta - y) * w
-        pen = float(sum(((theta[j] - mu[j]) / tau[j]) ** 2 for j in cols))
-        # posterior variance of each term (Gaussian, ignoring θ >= 0) against its prior variance τ²
-        sub = np.linalg.pinv(An.T @ An) / np.outer(norms, norms)
-        post = np.diag(sub)
-        share = post / np.array([tau[j] for j in cols]) ** 2
-        held = tuple(TERMS[j] for j, f in zip(cols, share) if f > _PRIOR_SHARE)
-        std = np.zeros(4)
-        std[cols] = np.sqrt(np.maximum(post, 0.0))
-        cov = np.zeros((4, 4))
-        cov[np.ix_(cols, cols)] = sub
-        return _Fit(theta, float(r @ r), held, std, cov, pen)
 
     def __repr__(self) -> str:
         return f"CostMeter(records={self.num_records}, window={len(self._y)}/{self.window}, prior={self.prior!r})"

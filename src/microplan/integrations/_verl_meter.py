@@ -13,9 +13,10 @@ Metering (``install(meter=True)``, the default): :func:`wrap_engine` wraps verl'
 ``forward_backward_batch`` (training passes, not the forward-only log-prob passes): each
 micro-batch's time is the span between consecutive ``forward_step`` calls (its forward and the
 backward verl runs right after), stamped with CUDA events on GPU (no sync in the loop) or the
-host clock on CPU; a micro-batch that ran as a prefix-tree row (``_verl_tree``, ``install(share_prefixes=True)``)
-is recorded as its tree ``Micro``, priced by its trie (unique tokens, each token's attention over its path),
-so the meter learns from shared and flat micro-batches alike; after the loop, ONE synchronisation and ONE ``all_gather_object`` over the
+host clock on CPU; a micro-batch that ran as a prefix-tree row (``_verl_tree``,
+``install(share_prefixes=True)``) is recorded as its tree ``Micro``, priced by its trie (unique
+tokens, each token's attention over its path), so the meter learns from shared and flat
+micro-batches alike; after the loop, ONE synchronisation and ONE ``all_gather_object`` over the
 data-parallel group give every rank all ranks' records, which every rank records in the same
 order — so every rank holds the same fit and plans the same plan (the plan fingerprints keep
 agreeing). The step's predicted lockstep time (Σ over slots of the slowest rank, by the model the

@@ -37,8 +37,9 @@ import numpy as np
 
 __all__ = ["TokenCounts", "token_counts", "wrap_lm_engine", "unwrap", "sharing_engine", "eligible", "trie", "STATE"]
 
+# restore: (model, its own attention) while a tree micro-batch's attention is set; last_tree: the last tree Micro run
 STATE: dict[str, Any] = {"share": False, "engine": None, "computed": 0, "unshared": 0, "micro_batches": 0,
-                         "restore": None, "last_tree": None}  # (model, its own attention) while a tree micro-batch's attention is set
+                         "restore": None, "last_tree": None}
 _WRAPPED: list[tuple[Any, str, Any]] = []
 _KEY = "microplan_tree"
 
