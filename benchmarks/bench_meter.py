@@ -22,8 +22,18 @@ noise). The grid also plans with an *informed estimator* (least squares on the s
 the truth's form and its per-micro overhead): what the warm-up records can tell at all, the
 yardstick for the meter's misses. ``--warmup N`` scores after N warm-up steps instead of 3.
 
-Run: ``python -m benchmarks.bench_meter [--quick] [--grid [--warmup N] [--noise ...]]``; writes
-``benchmarks/results/meter[-grid[-warmupN]]-<date>-<host>.json``.
+Issue 27: every step is planned with ``meter.explore_config(config, batch)``, so the meter may probe
+a lower cap in the warm-up steps (``microplan.cost.explore``); each run reports what the probes cost
+under the truth (of the warm-up steps' time). ``--dense-grid``: dense kernels (attention 1x and
+2.5x slower per FLOP, a lone sample paying its causal L²) on every family and dp 8/32, in the
+family's own shape and "at-cap" (short samples, 128 per GPU: every warm-up micro-batch holds
+~cap tokens, so T² looks constant), from the default prior, against the best cap-swept plan
+(``--no-explore``: a meter that never probes, the baseline). ``--trees``: ``share_prefixes=True``
+under a grid of hidden varlen truths that price each prefix tree by its trie; the meter records
+the tree micro-batches and is scored against the plan made with the truth.
+
+Run: ``python -m benchmarks.bench_meter [--quick] [--grid [--warmup N] [--noise ...] | --dense-grid
+[--no-explore] | --trees]``; writes ``benchmarks/results/meter[-grid[-warmupN]|-dense-grid|-trees]-<date>-<host>.json``.
 """
 
 from __future__ import annotations
@@ -254,7 +264,8 @@ def check_targets(summary: list[dict]) -> dict[str, bool]:
     }
 
 
-TREE_TRUTHS = {"attn1.5": (1.5, 0.02), "attn2.5": (2.5, 0.02), "attn2/over5": (2.0, 0.05)}
+#: the tree grid: hidden varlen truths (attention slowdown, per-micro overhead), as the varlen grid's
+TREE_TRUTHS = {f"attn{a}/over{o}": (a, o) for a in (1.2, 2.0, 3.0) for o in (0.0, 0.05, 0.10)}
 TREE_PROMPTS = (512, 4096)  # prompt tokens (log-uniform): long shared prompts, so trees differ from flat rows
 
 

@@ -253,6 +253,20 @@ def test_bench_meter_informed_estimator_is_exact_without_noise():
     assert plain["point"] == plain["metered"]
 
 
+def test_bench_meter_probes_at_the_cap_and_meters_trees():
+    """Issue 27: from the default prior, a dense truth at the cap (every warm-up micro-batch ~cap
+    tokens) is identified and the probes cost at most 2 % under the truth; with shared prefixes the
+    meter learns from tree micro-batches (the grid's gap to the oracle)."""
+    from benchmarks import bench_meter as bmeter
+
+    dense = bmeter.run_case("grpo-longtail", 8, 1, "dense-1x", shape="at-cap", sweep=False)
+    assert dense["regime"] == "dense" and dense["explore_cost"] <= 0.02
+    assert max(m - o for m, o in zip(dense["metered"], dense["oracle"])) < 0.005
+    trees = bmeter.run_tree_case("grpo-longtail", 8, 0, "attn2.0/over0.05")
+    assert len(trees["metered"]) == bmeter.SCORED and max(trees["shared"]) < 1.0  # tries share tokens
+    assert np.median(np.subtract(trees["metered"], trees["oracle"])) <= 0.002
+
+
 def test_plan_hashes_cover_valid_plans_and_see_a_change():
     """benchmarks/plan_hashes.py: every case plans and validates, a re-plan prints the same
     fingerprints (the plan is a pure function of its inputs), and one more token in one sample
