@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from ..config import PlanConfig
     from ..plan import Plan
 
-__all__ = ["Probe", "Explorer", "PROBE_FRACTIONS", "DEFAULT_EXPLORE_BUDGET", "lockstep_seconds"]
+__all__ = ["Probe", "Explorer", "PROBE_FRACTIONS", "DEFAULT_EXPLORE_BUDGET", "lockstep_seconds", "hypotheses_of"]
 
 #: caps a probe may plan with, as fractions of the config's cap
 PROBE_FRACTIONS = (0.5, 0.6, 0.75, 0.9)
