@@ -11,6 +11,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import microplan as mp
 from microplan.traces import generate
@@ -186,3 +188,28 @@ def test_verl_records_tree_micro_batches_by_their_trie():
         assert meter.report().fit_median_error < 1e-6   # the trie's price, not the unshared lengths'
     finally:
         vm.reset()
+
+
+@given(dp=st.integers(1, 4), n=st.integers(8, 120), max_len=st.integers(200, 6000), cap_mult=st.floats(1.0, 6.0),
+       dense=st.booleans(), attn=st.floats(0.5, 3.0), seed=st.integers(0, 2**16))
+def test_a_probe_only_lowers_the_cap_and_stays_in_budget(dp, n, max_len, cap_mult, dense, attn, seed):
+    """Whatever the batch and the machine: ``explore_config`` returns the config with the meter's cost
+    and a cap no higher than the config's; the plan validates; a probe's predicted extra time is at
+    most the budget under the worse regime's fit."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, max_len + 1, n)
+    cap = max(int(lens.max() * cap_mult), int(lens.max()))
+    truth = mp.FlopsCost(linear=1e-6, quadratic=0.0 if dense else attn * 1e-10,
+                         packed_quadratic=2 * attn * 1e-10 if dense else 0.0, per_micro=1e-6 * cap * 0.02)
+    meter = mp.CostMeter(prior=mp.FlopsCost.from_hf_config(CFG))
+    base = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap)
+    for step in range(3):
+        batch = mp.Batch(rng.permutation(lens))
+        cfg = meter.explore_config(base, batch)
+        assert cfg.max_tokens_per_micro <= cap
+        assert replace(cfg, max_tokens_per_micro=cap) == replace(base, cost=cfg.cost)
+        plan = mp.plan(batch, cfg)
+        plan.validate()
+        _feed(meter, _plan_micros(plan), truth, rng)
+    for p in meter.report().probes:
+        assert p.cap < cap and p.extra_share <= 0.02 + 1e-12 and 2 <= p.step <= 3
