@@ -6,8 +6,9 @@ vectorised in *safe chunks*: with bin loads sorted ascending and the next sample
 descending, the first c samples can go to the c least-loaded bins at once as long as the c-th
 bin's load is at most the lightest load plus the c-th sample — exactly what one-at-a-time
 LPT would do up to ties. A sample whose paired bin lacks room falls back to a masked argmin over
-the bins that fit. An optional second resource (``extra``: vision tokens with their own cap)
-is checked the same way. Guarantees: every bin non-empty when n >= m; no bin over ``cap`` tokens
+the bins that fit, one sample at a time; without a second resource, blocks of such samples
+search only the bins they can choose (``_place_rest_batched``: the same bins, loads and tokens).
+An optional second resource (``extra``: vision tokens with their own cap) is checked the same way. Guarantees: every bin non-empty when n >= m; no bin over ``cap`` tokens
 (returns None instead); deterministic (stable sorts, ties by bin and sample index).
 Cost: O(n log n + rounds · m log m). The descending order is one sort of the int lengths when
 the costs rise with them (``_sort.stable_argsort_via``), and the samples are permuted into it
@@ -27,6 +28,7 @@ __all__ = ["lpt_pack", "lpt_pack_wide", "round_robin_pack", "bins_lower_bound"]
 
 
 Extra = tuple[np.ndarray, int]  # a second additive resource per sample and its cap per bin
+REST_BLOCK = 32  # samples per block of the batched fallback placement (_place_rest_batched)
 
 
 def bins_lower_bound(seq_lens: np.ndarray, cap: int, extra: Extra | None = None) -> int:
@@ -118,20 +120,84 @@ def lpt_pack_wide(seq_lens: np.ndarray, costs: np.ndarray, width: np.ndarray, ca
             load_t[bins] = held
         if ex is not None:
             load_x[bins] += xc
-        for s in rest:
-            room_s = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] <= room_t
-            if ex is not None:
-                room_s &= load_x + ex[s] <= ex_cap
-            if not room_s.any():
-                return None
-            b = int(np.argmin(np.where(room_s, load_c, np.inf)))
-            bin_of[s] = b
-            load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
-            load_t[b] += seq_lens[s]
-            if ex is not None:
-                load_x[b] += ex[s]
+        if rest.size and not _place_rest(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w,
+                                         ex, load_x, ex_cap):
+            return None
         pos += c
     return bin_of
+
+
+def _place_rest(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarray, costs: np.ndarray,
+                load_c: np.ndarray, load_t: np.ndarray, room_t: np.ndarray | None, inv_w: np.ndarray,
+                tok_w: np.ndarray | None, ex: np.ndarray | None, load_x: np.ndarray, ex_cap: int) -> bool:
+    """Samples ``rest`` (in placement order) each to the least-loaded bin with room, ties to the
+    lower bin; loads updated in place. False when one fits no bin. Batched when the state allows
+    it (:func:`_place_rest_batched`), else one at a time (:func:`_place_rest_one_by_one`)."""
+    if (ex is None and room_t is not None and all(a.dtype.kind in "iu" for a in (seq_lens, load_t, room_t))
+            and bool(np.isfinite(load_c).all())):
+        return _place_rest_batched(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w)
+    return _place_rest_one_by_one(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w,
+                                  ex, load_x, ex_cap)
+
+
+def _place_rest_one_by_one(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarray, costs: np.ndarray,
+                           load_c: np.ndarray, load_t: np.ndarray, room_t: np.ndarray | None, inv_w: np.ndarray,
+                           tok_w: np.ndarray | None, ex: np.ndarray | None, load_x: np.ndarray,
+                           ex_cap: int) -> bool:
+    """The reference: per sample, a masked argmin over the bins with room."""
+    B = load_c.size
+    for s in rest:
+        room_s = np.ones(B, dtype=bool) if room_t is None else load_t + seq_lens[s] <= room_t
+        if ex is not None:
+            room_s &= load_x + ex[s] <= ex_cap
+        if not room_s.any():
+            return False
+        b = int(np.argmin(np.where(room_s, load_c, np.inf)))
+        bin_of[s] = b
+        load_c[b] += costs[s] * inv_w[b] + (0.0 if tok_w is None else seq_lens[s] * tok_w[b])
+        load_t[b] += seq_lens[s]
+        if ex is not None:
+            load_x[b] += ex[s]
+    return True
+
+
+def _place_rest_batched(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarray, costs: np.ndarray,
+                        load_c: np.ndarray, load_t: np.ndarray, room_t: np.ndarray, inv_w: np.ndarray,
+                        tok_w: np.ndarray | None) -> bool:
+    """What :func:`_place_rest_one_by_one` does (finite loads, integer tokens, no extra resource),
+    each block of ``REST_BLOCK`` samples searching only the bins it can choose. Take the r = block
+    size lightest bins with room for the block's longest sample: before each sample of the block at
+    most r − 1 of them were taken, so an untaken one (load and room as before) is open to it.
+    Placing only adds load (increments >= 0, checked; otherwise the reference runs) and removes
+    room, so a bin heavier than the r-th, or without room for the block's shortest sample, is never
+    chosen: the masked argmin over the others, kept in index order for the ties, is the argmin
+    over all bins."""
+    if bool((costs[rest] < 0).any()) or bool((inv_w < 0).any()) or (tok_w is not None and bool((tok_w < 0).any())):
+        return _place_rest_one_by_one(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w,
+                                      None, load_t, 0)
+    for at in range(0, rest.size, REST_BLOCK):
+        block = rest[at:at + REST_BLOCK]
+        lens = seq_lens[block]
+        free_all = room_t - load_t
+        open_loads = load_c[free_all >= int(lens.max())]
+        usable = free_all >= int(lens.min())  # a bin without room for the shortest takes none of the block
+        if open_loads.size >= block.size:  # ... nor one heavier than the block.size-th lightest open bin
+            usable &= load_c <= np.partition(open_loads, block.size - 1)[block.size - 1]
+        bins = np.flatnonzero(usable)
+        if not bins.size:  # not even the block's shortest sample fits anywhere
+            return False
+        lc, free = load_c[bins], room_t[bins] - load_t[bins]
+        iw, tw = inv_w[bins], None if tok_w is None else tok_w[bins]
+        for s, L, c in zip(block.tolist(), lens.tolist(), costs[block].tolist()):
+            room_s = free >= L
+            b = int(np.where(room_s, lc, np.inf).argmin())  # finite loads: a bin with room when there is one
+            if not room_s[b]:
+                return False
+            bin_of[s] = bins[b]
+            lc[b] += c * iw[b] + (0.0 if tw is None else L * tw[b])
+            free[b] -= L
+        load_c[bins], load_t[bins] = lc, room_t[bins] - free
+    return True
 
 
 def round_robin_pack(costs: np.ndarray, num_bins: int) -> np.ndarray:
