@@ -20,6 +20,8 @@ and per-round gathers; a chunk that fits takes its bins' new loads from the load
 
 from __future__ import annotations
 
+from bisect import insort
+
 import numpy as np
 
 from .._sort import stable_argsort_via
@@ -134,6 +136,7 @@ def _place_rest(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarray, cost
     lower bin; loads updated in place. False when one fits no bin. Batched when the state allows
     it (:func:`_place_rest_batched`), else one at a time (:func:`_place_rest_one_by_one`)."""
     if (ex is None and room_t is not None and all(a.dtype.kind in "iu" for a in (seq_lens, load_t, room_t))
+            and all(a.dtype == np.float64 for a in (load_c, inv_w) + (() if tok_w is None else (tok_w,)))
             and bool(np.isfinite(load_c).all())):
         return _place_rest_batched(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w)
     return _place_rest_one_by_one(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w,
@@ -164,14 +167,14 @@ def _place_rest_one_by_one(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.nd
 def _place_rest_batched(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarray, costs: np.ndarray,
                         load_c: np.ndarray, load_t: np.ndarray, room_t: np.ndarray, inv_w: np.ndarray,
                         tok_w: np.ndarray | None) -> bool:
-    """What :func:`_place_rest_one_by_one` does (finite loads, integer tokens, no extra resource),
+    """What :func:`_place_rest_one_by_one` does (finite float64 loads, integer tokens, no extra resource),
     each block of ``REST_BLOCK`` samples searching only the bins it can choose. Take the r = block
     size lightest bins with room for the block's longest sample: before each sample of the block at
     most r − 1 of them were taken, so an untaken one (load and room as before) is open to it.
     Placing only adds load (increments >= 0, checked; otherwise the reference runs) and removes
     room, so a bin heavier than the r-th, or without room for the block's shortest sample, is never
-    chosen: the masked argmin over the others, kept in index order for the ties, is the argmin
-    over all bins."""
+    chosen. Among the others, kept sorted by (load, bin) as the argmin breaks ties, each sample
+    takes the first with room (Python floats: the same float64 additions)."""
     if bool((costs[rest] < 0).any()) or bool((inv_w < 0).any()) or (tok_w is not None and bool((tok_w < 0).any())):
         return _place_rest_one_by_one(rest, bin_of, seq_lens, costs, load_c, load_t, room_t, inv_w, tok_w,
                                       None, load_t, 0)
@@ -186,17 +189,23 @@ def _place_rest_batched(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarr
         bins = np.flatnonzero(usable)
         if not bins.size:  # not even the block's shortest sample fits anywhere
             return False
-        lc, free = load_c[bins], room_t[bins] - load_t[bins]
-        iw, tw = inv_w[bins], None if tok_w is None else tok_w[bins]
+        free = (room_t[bins] - load_t[bins]).tolist()
+        iw = inv_w[bins].tolist()
+        tw = None if tok_w is None else tok_w[bins].tolist()
+        keyed = sorted(zip(load_c[bins].tolist(), bins.tolist(), range(bins.size)))  # (load, bin): argmin's order
         for s, L, c in zip(block.tolist(), lens.tolist(), costs[block].tolist()):
-            room_s = free >= L
-            b = int(np.where(room_s, lc, np.inf).argmin())  # finite loads: a bin with room when there is one
-            if not room_s[b]:
+            for k, e in enumerate(keyed):  # the lightest with room
+                if free[e[2]] >= L:
+                    break
+            else:
                 return False
-            bin_of[s] = bins[b]
-            lc[b] += c * iw[b] + (0.0 if tw is None else L * tw[b])
-            free[b] -= L
-        load_c[bins], load_t[bins] = lc, room_t[bins] - free
+            load, b, p = keyed.pop(k)
+            bin_of[s] = b
+            free[p] -= L
+            insort(keyed, (load + (c * iw[p] + (0.0 if tw is None else L * tw[p])), b, p))
+        at_pos = sorted(keyed, key=lambda e: e[2])
+        load_c[bins] = [e[0] for e in at_pos]
+        load_t[bins] = room_t[bins] - np.array(free, dtype=load_t.dtype)
     return True
 
 
