@@ -14,7 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from microplan.stages import pack
+from microplan.stages import exact, pack
+from microplan.stages.exact import first_fit_decreasing
 from microplan.stages.pack import REST_BLOCK, _place_rest_batched, _place_rest_one_by_one, lpt_pack_wide
 
 
@@ -89,6 +90,25 @@ def test_lpt_pack_wide_equals_the_reference_packer(seed, B, quad, slack):
         mpatch.setattr(pack, "_place_rest_batched", lambda rest, *a: _place_rest_one_by_one(
             rest, *a, None, a[4], 0))
         ref = lpt_pack_wide(lens, costs, width, cap, load=load.copy())
+    assert (fast is None) == (ref is None)
+    if fast is not None:
+        np.testing.assert_array_equal(fast, ref)
+
+
+@given(st.integers(0, 2 ** 32 - 1), st.integers(1, 200), st.integers(1, 3 * 64), st.sampled_from([8, 50, 100]),
+       st.sampled_from([1, 3, exact.FFD_SCAN]))
+def test_first_fit_decreasing_equals_the_masked_search(seed, m, n, cap, scan):
+    """First fit with stale-bound hints against the one masked search per sample (the ``extra``
+    path with a resource that never binds runs the original loop); short scans reach the masked
+    search after them."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(1, cap + 1, n).astype(np.int64)
+    if rng.random() < 0.5:
+        lens = np.minimum(lens, rng.integers(1, cap + 1))  # many equal lengths: ties
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setattr(exact, "FFD_SCAN", scan)
+        fast = first_fit_decreasing(lens, m, cap)
+    ref = first_fit_decreasing(lens, m, cap, extra=(np.zeros(n, dtype=np.int64), 0))
     assert (fast is None) == (ref is None)
     if fast is not None:
         np.testing.assert_array_equal(fast, ref)

@@ -5,7 +5,10 @@ exists (``Batch([2,3,8,2,4,3])``, cap 11: LPT needs 3 bins, {8,3} {4,3,2,2} uses
 planner adds a micro-batch per rank it asks, in order:
 
 1. :func:`first_fit_decreasing` — tokens descending, each sample to the first bin with room,
-   then every empty bin takes the last sample of the fullest multi-sample bin. O(n·m) numpy.
+   then every empty bin takes the last sample of the fullest multi-sample bin. Without a second
+   resource the first bins with room are found per block of samples at once and kept as lower
+   bounds (a bin without room never regains it), so most samples cost a few list lookups; with
+   one, one masked search per sample. Either way the same bins; O(n·m) numpy at worst.
 2. :func:`exact_pack` — for small steps (n <= ``EXACT_MAX_SAMPLES``), a depth-first search over
    assignments, tokens descending, with symmetry breaking (bins of equal load tried once, at most
    one new bin per level) and the pruning "samples left >= bins still empty". Bounded by
@@ -37,6 +40,10 @@ def first_fit_decreasing(lens: np.ndarray, m: int, cap: int,
     xload = np.zeros(m, dtype=np.int64)
     count = np.zeros(m, dtype=np.int64)
     bin_of = np.empty(n, dtype=np.int64)
+    if extra is None and lens.dtype.kind in "iu":
+        if not _first_fits(lens, order, m, cap, bin_of, load, count):
+            return None
+        return _fill_empty(bin_of, lens, load, count)
     for i in order.tolist():
         ok = load + lens[i] <= cap
         if extra is not None:
@@ -50,6 +57,12 @@ def first_fit_decreasing(lens: np.ndarray, m: int, cap: int,
         if extra is not None:
             xload[b] += extra[0][i]
         count[b] += 1
+    return _fill_empty(bin_of, lens, load, count)
+
+
+def _fill_empty(bin_of: np.ndarray, lens: np.ndarray, load: np.ndarray, count: np.ndarray) -> np.ndarray | None:
+    """Each empty bin takes the shortest sample of the fullest bin holding two or more (None when
+    no bin does)."""
     for b in np.flatnonzero(count == 0).tolist():  # give each empty bin one sample (a lone sample fits)
         donors = np.flatnonzero(count >= 2)
         if not donors.size:
@@ -121,3 +134,46 @@ def exact_pack(lens: np.ndarray, m: int, cap: int, *, node_limit: int = 200_000)
 
 class _Budget(Exception):
     """The node limit was reached."""
+
+
+FFD_BLOCK = 32  # samples per refresh of the first-fit lower bounds (_first_fits)
+FFD_SCAN = 64  # bins tried one by one after a stale bound before a masked search (_next_fit)
+
+
+def _first_fits(lens: np.ndarray, order: np.ndarray, m: int, cap: int, bin_of: np.ndarray,
+                load: np.ndarray, count: np.ndarray) -> bool:
+    """First fit of the samples ``order`` into m bins under ``cap`` (no second resource): the same
+    bins as one masked search per sample. Per block of ``FFD_BLOCK`` samples the first bin with room
+    for each is found at once (``searchsorted`` on the running maximum of room); bins before it
+    lack room then and only lose room later, so it is the sample's first fit whenever it still has
+    room, and otherwise the first fit lies after it (one masked search from there)."""
+    free = cap - load
+    free_l = free.tolist()
+    for at in range(0, order.size, FFD_BLOCK):
+        idx = order[at:at + FFD_BLOCK]
+        ls = lens[idx]
+        first = np.searchsorted(np.maximum.accumulate(free), ls, side="left").tolist()
+        for i, L, b in zip(idx.tolist(), ls.tolist(), first):
+            if b >= m:
+                return False
+            if free_l[b] < L:
+                b = _next_fit(free, free_l, b + 1, L)
+                if b < 0:
+                    return False
+            bin_of[i] = b
+            free_l[b] -= L
+            free[b] -= L
+            count[b] += 1
+    load[:] = cap - free
+    return True
+
+
+def _next_fit(free: np.ndarray, free_l: list[int], lo: int, L: int) -> int:
+    """The first bin from ``lo`` on with room for L (-1 if none): the next ``FFD_SCAN`` bins one by
+    one, then one masked search over the rest."""
+    for b in range(lo, min(lo + FFD_SCAN, len(free_l))):
+        if free_l[b] >= L:
+            return b
+    lo += FFD_SCAN
+    after = np.flatnonzero(free[lo:] >= L) if lo < free.size else free[:0]
+    return lo + int(after[0]) if after.size else -1
