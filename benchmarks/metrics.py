@@ -51,6 +51,18 @@ def dense_7b_cost() -> FlopsCost:
     return FlopsCost(linear=linear, quadratic=6 * 32 * 4096, per_micro=256 * linear)
 
 
+# Qwen2.5-7B's config.json (the keys FlopsCost.from_hf_config reads): what a user passes on the
+# default path, a cost that is not proportional to tokens (bench_speed's "path-config" row).
+QWEN25_7B = dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                 num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, hidden_act="silu",
+                 tie_word_embeddings=False)
+
+
+def config_7b_cost() -> FlopsCost:
+    """``FlopsCost.from_hf_config`` of Qwen2.5-7B with its defaults: the cost a user gets."""
+    return FlopsCost.from_hf_config(QWEN25_7B)
+
+
 def dense_7b_forward_cost() -> FlopsCost:
     """The same decoder's forward-only pass (log-probs): a third of the FLOPs, 256 tokens' overhead."""
     linear = 2 * 7e9

@@ -6,7 +6,9 @@ and the K choice with its predicted times) and of the index lists read through `
 (what a trainer reads). The cases are bench_speed's two inputs plus configs that reach the other
 stages: step sync, a dense packed-row cost (the K search), align, pipeline order, static and
 dynamic CP, shared prefixes, padded layouts, row/sample multiples, local placement, several
-steps with ``short_step="drop"``, static batching. Run it on two trees and diff the output:
+steps with ``short_step="drop"``, static batching; and last the user's default path (16k
+samples, dp 128, ``FlopsCost.from_hf_config`` of Qwen2.5-7B) and bench_share_speed's GRPO step.
+Run it on two trees and diff the output:
 
     PYTHONPATH=/path/to/main/src python -m benchmarks.plan_hashes > main.txt
     PYTHONPATH=$PWD/src python -m benchmarks.plan_hashes > branch.txt && diff main.txt branch.txt
@@ -28,7 +30,7 @@ if __package__ in (None, ""):
 import microplan as mp  # noqa: E402
 from microplan.traces import generate  # noqa: E402
 
-from benchmarks.metrics import dense_7b_cost  # noqa: E402
+from benchmarks.metrics import config_7b_cost, dense_7b_cost  # noqa: E402
 
 CAP = 32768
 
@@ -69,6 +71,9 @@ def cases() -> list[tuple[str, mp.Batch, mp.PlanConfig]]:
            ("prompt-mean", small, mp.PlanConfig(dp_size=32, loss=mp.Loss("prompt-mean"), **g))]
     owners = np.random.default_rng(0).integers(0, 16, small.num_samples)
     out.append(("local", small.with_rank_of(owners), mp.PlanConfig(dp_size=16, placement="local", **g)))
+    out.append(("speed-16k-config", big, mp.PlanConfig(dp_size=128, max_tokens_per_micro=CAP, sync="micro",
+                                                        cost=config_7b_cost())))
+    out.append(("share-16k-dp128", big, mp.PlanConfig(dp_size=128, share_prefixes=True, sync="micro", **g)))
     return out
 
 
