@@ -288,3 +288,17 @@ def test_plan_hashes_cover_valid_plans_and_see_a_change():
                        rollout_ids=batch.rollout_codes)
     after = plan_hashes.fingerprint(mp.plan(changed, cfg))
     assert after[0] != before[0]
+
+
+def test_bench_speed_config_rows(monkeypatch):
+    """bench_speed on a small step: the config-cost rows (plan, user path, TokenCost) are timed with
+    their ratios, on the CPU clock when asked; the config cost is the default from_hf_config."""
+    from benchmarks import bench_speed as bsp
+    from benchmarks.metrics import config_7b_cost
+    monkeypatch.setattr(bsp, "_clock", bsp.CLOCK["cpu"])
+    c = bsp.time_case(512, 8, 1, dense_7b_cost(), np.min)
+    assert {"plan-config", "plan-token", "path-config", "path"} <= set(c["median_ms"])
+    assert set(c["ratio_path_config"]) == {"slime", "verl", "verl-critical-path"}
+    assert all(v >= 0 for v in c["median_ms"].values())
+    cost = config_7b_cost()
+    assert cost.attention_rel_sd == 0 and cost.quadratic > 0  # the default path: no hedge, not per token
