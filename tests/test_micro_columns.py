@@ -9,6 +9,7 @@ import dataclasses
 import pickle
 
 import numpy as np
+import pytest
 
 import microplan as mp
 from microplan.types import Micro
@@ -92,3 +93,28 @@ def test_grid_pass_builds_the_row_pass_micros():
         for r in range(D):
             assert grid[r] == rows[r] and all(m.cp_group is grid[r][0].cp_group == (r,) for m in grid[r])
             assert all(m.cp_size == cp and m.footprint is fp for m in grid[r])
+
+
+def test_tree_rows_columns_read_as_eager_arrays_and_stay_read_only():
+    """Shared-prefix micro-batches take their columns as slices of the step's once-gathered columns
+    (``build.tree_parts``): the same values as a per-sample gather, read-only, pickled alone."""
+    from microplan.traces import generate
+    batch = generate("stepwise-multiturn", num_prompts=24, samples_per_prompt=4, seed=1)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=4, share_prefixes=True, max_tokens_per_micro=24576,
+                                        loss=mp.Loss("prompt-mean")))
+    b, seen = plan.batch, []
+    for row in plan.steps[0].micros:
+        for m in row:
+            if m.is_placeholder:
+                continue
+            assert m.tree is not None
+            idx = m.indices
+            assert np.array_equal(m.seq_lens, b.seq_lens[idx]) and np.array_equal(m.loss_tokens, b.loss_tokens[idx])
+            assert m.loss_scale.dtype == np.float64 and m.loss_scale.size == idx.size
+            for a in (m.indices, m.seq_lens, m.loss_tokens, m.loss_scale):
+                assert not a.flags.writeable
+                with pytest.raises(ValueError):
+                    a.setflags(write=True)
+            assert len(pickle.dumps(m.indices)) < m.indices.nbytes + 200
+            seen.extend(idx.tolist())
+    assert sorted(seen) == list(range(b.num_samples))

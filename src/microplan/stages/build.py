@@ -102,14 +102,15 @@ def tree_parts(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarra
     (None for an empty bin). ``kept`` ascending, ``sbin`` and ``scale`` aligned with it."""
     orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
     trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb)
+    flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
+    ix, ln, lt, sc = whole = (flat, b.seq_lens[flat], b.loss_tokens[flat],
+                              scale[np.searchsorted(kept, flat)].astype(np.float64))
+    for c in whole:
+        c.setflags(write=False)  # and so every slice of it
+    ends = np.cumsum([o.size for o in orders]).tolist()
     out: list[tuple[tuple[np.ndarray, ...], PrefixTree] | None] = []
-    for g in range(nb):
-        dfs = orders[g]
-        if not dfs.size:
-            out.append(None)
-            continue
-        cols = (dfs, b.seq_lens[dfs], b.loss_tokens[dfs], scale[np.searchsorted(kept, dfs)].astype(np.float64))
-        for c in cols:
-            c.setflags(write=False)
-        out.append((cols, trees[g]))
+    lo = 0
+    for g, hi in enumerate(ends):
+        out.append(None if hi == lo else ((ix[lo:hi], ln[lo:hi], lt[lo:hi], sc[lo:hi]), trees[g]))
+        lo = hi
     return out
