@@ -193,6 +193,7 @@ def _place_rest_batched(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarr
         iw = inv_w[bins].tolist()
         tw = None if tok_w is None else tok_w[bins].tolist()
         keyed = sorted(zip(load_c[bins].tolist(), bins.tolist(), range(bins.size)))  # (load, bin): argmin's order
+        placed: dict[int, float] = {}  # bin -> its new load
         for s, L, c in zip(block.tolist(), lens.tolist(), costs[block].tolist()):
             for k, e in enumerate(keyed):  # the lightest with room
                 if free[e[2]] >= L:
@@ -202,9 +203,9 @@ def _place_rest_batched(rest: np.ndarray, bin_of: np.ndarray, seq_lens: np.ndarr
             load, b, p = keyed.pop(k)
             bin_of[s] = b
             free[p] -= L
-            insort(keyed, (load + (c * iw[p] + (0.0 if tw is None else L * tw[p])), b, p))
-        at_pos = sorted(keyed, key=lambda e: e[2])
-        load_c[bins] = [e[0] for e in at_pos]
+            placed[b] = load = load + (c * iw[p] + (0.0 if tw is None else L * tw[p]))
+            insort(keyed, (load, b, p))
+        load_c[list(placed)] = list(placed.values())
         load_t[bins] = room_t[bins] - np.array(free, dtype=load_t.dtype)
     return True
 
