@@ -30,7 +30,7 @@ __all__ = ["lpt_pack", "lpt_pack_wide", "round_robin_pack", "bins_lower_bound"]
 
 
 Extra = tuple[np.ndarray, int]  # a second additive resource per sample and its cap per bin
-REST_BLOCK = 32  # samples per block of the batched fallback placement (_place_rest_batched)
+REST_BLOCK = 64  # samples per block of the batched fallback placement (_place_rest_batched)
 
 
 def bins_lower_bound(seq_lens: np.ndarray, cap: int, extra: Extra | None = None) -> int:
