@@ -112,3 +112,16 @@ def test_first_fit_decreasing_equals_the_masked_search(seed, m, n, cap, scan):
     assert (fast is None) == (ref is None)
     if fast is not None:
         np.testing.assert_array_equal(fast, ref)
+
+
+def test_non_finite_costs_take_the_reference():
+    """A NaN or infinite cost breaks the (load, bin) order the blocks rely on: the reference runs."""
+    lens = np.array([5, 5, 5], dtype=np.int64)
+    for bad in (np.nan, np.inf):
+        state = (lens, np.array([1.0, bad, 1.0]), np.zeros(4), np.zeros(4, dtype=np.int64),
+                 np.full(4, 10, dtype=np.int64), np.ones(4), None, np.arange(3))
+        ok_ref, bins_ref, lc_ref, _ = _run(_place_rest_one_by_one, state)
+        ok, bins, lc, _ = _run(_place_rest_batched, state)
+        assert ok == ok_ref
+        np.testing.assert_array_equal(bins, bins_ref)
+        assert lc.tobytes() == lc_ref.tobytes()
