@@ -40,7 +40,7 @@ def first_fit_decreasing(lens: np.ndarray, m: int, cap: int,
     xload = np.zeros(m, dtype=np.int64)
     count = np.zeros(m, dtype=np.int64)
     bin_of = np.empty(n, dtype=np.int64)
-    if extra is None and lens.dtype.kind in "iu":
+    if extra is None and lens.dtype.kind in "iu" and bool((lens >= 0).all()):  # rooms only shrink
         if not _first_fits(lens, order, m, cap, bin_of, load, count):
             return None
         return _fill_empty(bin_of, lens, load, count)
