@@ -262,3 +262,44 @@ def test_the_segment_table_is_built_once_per_forward(name, monkeypatch):
         model(input_ids=p.input_ids[None], cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=6, max_length_k=6,
               position_ids=p.position_ids[None], use_cache=False)
     assert calls == {"pos": 1, "cu": 1}
+
+
+def _per_segment(query, key, value, seg):
+    """The reference: one sdpa call per segment (causal bottom-right), rows in no segment 0."""
+    out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])
+    for qa, qb, ka, kb in zip(seg.q_starts, seg.q_ends, seg.k_starts, seg.k_ends):
+        lq, lk = qb - qa, kb - ka
+        mask = torch.ones(lq, lk, dtype=torch.bool).tril(diagonal=lk - lq) if seg.causal else None
+        o = F.scaled_dot_product_attention(query[qa:qb].transpose(0, 1)[None], key[ka:kb].transpose(0, 1)[None],
+                                           value[ka:kb].transpose(0, 1)[None], attn_mask=mask,
+                                           enable_gqa=query.shape[1] != key.shape[1])
+        out[qa:qb] = o[0].transpose(0, 1)
+    return out
+
+
+@given(seed=st.integers(0, 2**31), n=st.integers(2, 10), causal=st.booleans(), kv=st.sampled_from([1, 2, 4]),
+       gap=st.booleans())
+def test_tree_segments_batched_equal_one_call_per_segment(seed, n, causal, kv, gap):
+    """A tree table (queries apart from their path keys) runs like segments as one padded call:
+    output and gradients equal one sdpa call per segment within 1e-12 relative (float64), rows in
+    no segment stay 0, and a GRPO-like table (a prompt, responses of like length) takes 2 calls."""
+    from microplan.torch.segment_groups import segment_groups
+    g = torch.Generator().manual_seed(seed)
+    lq = torch.randint(1, 14, (n,), generator=g).tolist()
+    lk = [q + int(torch.randint(0, 25, (1,), generator=g)) for q in lq]
+    qs, ks = [0], [0]
+    for a, b in zip(lq, lk):
+        qs.append(qs[-1] + a + int(gap))       # gap: one row between segments that no segment covers
+        ks.append(ks[-1] + b)
+    N, M = qs[-1], ks[-1]
+    seg = Segments(tuple(qs[:-1]), tuple(a + b for a, b in zip(qs[:-1], lq)), tuple(ks[:-1]), tuple(ks[1:]),
+                   num_tokens=max(N, M), causal=causal)
+    q = torch.randn(N, 4, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    k = torch.randn(M, kv, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    v = torch.randn(M, kv, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    got, want = segment_attention(q, k, v, seg), _per_segment(q, k, v, seg)
+    assert torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    w = torch.randn(got.shape, dtype=torch.float64, generator=g)
+    for a, b in zip(torch.autograd.grad((got * w).sum(), (q, k, v)), torch.autograd.grad((want * w).sum(), (q, k, v))):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert sorted(map(len, segment_groups((1500, 200, 210, 190, 205), (1500, 1700, 1710, 1690, 1705)))) == [1, 4]

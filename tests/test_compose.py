@@ -105,10 +105,14 @@ def _held(m: mp.Micro, b: mp.Batch, cfg: mp.PlanConfig) -> int:
     """Tokens the GPUs hold, recounted from the rules (docs/layouts.md, docs/prefix.md)."""
     up = lambda x, k: -(-x // k) * k  # noqa: E731
     idx = m.indices
-    if cfg.share_prefixes:
+    if cfg.share_prefixes:  # the trie's runs padded, or the samples flat where that is smaller
         t = micro_tree(b.prefix_parent, b.shared_prefix_lens, b.seq_lens, idx)
-        return up(int(sum(up(int(e - s), cfg.pad_to_multiple_of) for s, e in zip(t.start, t.end))),
-                  cfg.pad_row_to_multiple_of)
+        m, r = cfg.pad_to_multiple_of, cfg.pad_row_to_multiple_of
+        tree = int(sum(up(int(e - s), m) for s, e in zip(t.start, t.end)))
+        flat = int(sum(up(int(x), m) for x in b.seq_lens[idx]))
+        work_t = t.depth_sq + (up(tree, r) - tree) ** 2          # attention work, the row pad one more sequence
+        work_f = int(sum(up(int(x), m) ** 2 for x in b.seq_lens[idx])) + (up(flat, r) - flat) ** 2
+        return up(flat if flat < tree or up(flat, r) < up(tree, r) or work_f < work_t else tree, r)
     L = b.seq_lens[idx]
     if cfg.layout == "varlen":
         return up(int(sum(up(int(x), cfg.pad_to_multiple_of) for x in L)), cfg.pad_row_to_multiple_of)

@@ -112,8 +112,9 @@ def test_unsupported_combinations_are_refused():
 def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link, multiple):
     """trie.cut_trees (the atoms of share_prefixes) against token-id tries: every sample in
     exactly one atom, each atom's token count is its members' trie (counted from the ids; each
-    segment padded to the multiple), and only a lone sample longer than the limit exceeds it."""
-    from microplan.prefix import micro_tree, sample_forest
+    owner segment padded to the multiple: the packing bound, at least the row micro_tree lays
+    out), and only a lone sample longer than the limit exceeds it."""
+    from microplan.prefix import RowRules, micro_tree, owner_tree, sample_forest
     from microplan.trie import cut_trees
     rng = np.random.default_rng(seed)
     lens = rng.integers(1, 60, size=n)
@@ -123,9 +124,11 @@ def test_tree_atoms_partition_the_step_within_the_limit(seed, n, limit, p_link, 
     assert cut.atom_of.shape == step.shape and set(cut.atom_of.tolist()) == set(range(cut.tokens.size))
     for a in range(cut.tokens.size):
         members = step[cut.atom_of == a]
-        t = micro_tree(parent, shared, lens, members)   # the Σ depth² the cost sees, as the plan's trees count it
+        t = owner_tree(parent, shared, lens, members)   # the Σ depth² the cost sees, as the plan's trees count it
         padded = int((-(-(t.end - t.start) // multiple) * multiple).sum())
         assert (int(cut.tokens[a]), float(cut.depth_sq[a])) == (padded, float(t.depth_sq))
+        row = micro_tree(parent, shared, lens, members, rules=RowRules(multiple))
+        assert int((-(-(row.end - row.start) // multiple) * multiple).sum()) <= padded
         if multiple == 1:
             assert cut.tokens[a] == trie_size(toks, members.tolist())
         # a lone sample may exceed the limit: alone it is longer, or (with a multiple) its path's

@@ -97,14 +97,16 @@ def test_grpo_trees_stay_whole_over_a_cp_group_and_compute_fewer_tokens():
                 assert gpu_tokens(m.num_tokens, 4) <= 16384
 
 
-def test_a_lone_sample_counts_its_ancestors_padded_segments():
-    """Regression: with pad_to_multiple_of a lone sample's trie holds its ancestors' segments, each
-    padded (3 → 4, then 5 → 8: 12 tokens, not the 8 of the sample padded alone). A per-sample atom
-    must count them, or a micro-batch goes over the cap (found by test_compose)."""
+def test_a_lone_sample_is_one_segment_padded_as_unshared():
+    """With pad_to_multiple_of a lone sample's trie runs through its ancestor's tokens without a
+    branch, so it is one segment, padded once: 8 tokens, as unshared (it used to be one padded
+    segment per owner, 3 → 4 then 5 → 8: 12 tokens, refused at cap 8). Every micro-batch stays
+    under the cap as its packed row counts it (the regression test_compose found)."""
     b = mp.Batch([6, 8], prefix_parent=[-1, 0], shared_prefix_lens=[0, 3])
-    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=8, share_prefixes=True, pad_to_multiple_of=4)
-    with pytest.raises(mp.PlanError, match="12 tokens"):
-        mp.plan(b, cfg)
-    plan = mp.plan(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=12, share_prefixes=True, pad_to_multiple_of=4))
+    plan = mp.plan(b, mp.PlanConfig(dp_size=2, max_tokens_per_micro=8, share_prefixes=True, pad_to_multiple_of=4))
     plan.validate()
-    assert max(m.num_tokens for s in plan.steps for row in s.micros for m in row) <= 12
+    micros = [m for s in plan.steps for row in s.micros for m in row]
+    assert sorted(m.num_tokens for m in micros) == [8, 8]
+    assert all(m.tree.start.tolist() == [0] for m in micros)
+    toks = [torch.arange(6), torch.cat([torch.arange(3), torch.arange(10, 15)])]
+    assert all(pack_micro(m, toks).num_tokens == m.num_tokens for m in micros)

@@ -15,8 +15,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from microplan.prefix import dfs_order, dfs_orders, micro_tree, sample_forest
-from microplan.trie import cut_trees, forest_depths, micro_trees, set_tries
+from microplan.prefix import RowRules, dfs_order, dfs_orders, micro_tree, owner_tree, sample_forest
+from microplan.trie import cut_trees, forest_depths, micro_trees, row_tries, set_tries
 
 SHAPES = ("grpo", "append", "edited", "branching", "mixed")
 
@@ -87,27 +87,61 @@ def test_set_tries_match_micro_tree_per_set(data, num_sets, multiple, density):
         if not mine:
             assert got.tokens[k] == 0 and got.depth_sq[k] == 0
             continue
-        t = micro_tree(parent, shared, lens, mine)
+        t = owner_tree(parent, shared, lens, mine)   # set_tries pads owner segments: the packing bound
         assert got.tokens[k] == padded(t, multiple)
         assert got.depth_sq[k] == t.depth_sq
         if multiple == 1:
-            assert got.tokens[k] == t.num_tokens
+            assert got.tokens[k] == t.num_tokens == micro_tree(parent, shared, lens, mine).num_tokens
 
 
-@given(data=forests(max_n=60), num_sets=st.integers(1, 6), density=st.sampled_from([0.05, 0.3, 1.0]))
-def test_micro_trees_equal_micro_tree_per_set(data, num_sets, density):
+@given(data=forests(), num_sets=st.integers(1, 6), multiple=st.sampled_from([1, 2, 8]),
+       density=st.sampled_from([0.1, 0.5, 1.0]), row=st.sampled_from([1, 4]))
+def test_row_tries_match_the_rows_micro_tree_lays_out(data, num_sets, multiple, density, row):
+    """row_tries is what micro_tree(..., multiple) lays out: its runs padded (or the flat row), the
+    attention work of that layout; never more than the members unshared, never more than the
+    owner-segment bound the packer uses."""
+    rng, (parent, shared, lens) = data
+    n = parent.size
+    members, set_of = [], []
+    for k in range(num_sets):
+        mine = np.flatnonzero(rng.random(n) < density)
+        members += mine.tolist()
+        set_of += [k] * mine.size
+    rules = RowRules(multiple, row)
+    got = row_tries(parent, shared, lens, members, set_of, num_sets, rules=rules)
+    bound = set_tries(parent, shared, lens, members, set_of, num_sets, multiple=multiple)
+    for k in range(num_sets):
+        mine = [i for i, s in zip(members, set_of) if s == k]
+        if not mine:
+            assert got.tokens[k] == 0 and got.depth_sq[k] == 0
+            continue
+        t = micro_tree(parent, shared, lens, mine, rules=rules)
+        flat = int((-(-lens[mine] // multiple) * multiple).sum())
+        assert got.tokens[k] == padded(t, multiple) <= min(flat, bound.tokens[k])
+        is_flat = t != micro_tree(parent, shared, lens, mine)
+        assert got.depth_sq[k] == (int(((-(-lens[mine] // multiple) * multiple) ** 2).sum()) if is_flat else t.depth_sq)
+        up = lambda x: -(-x // row) * row  # noqa: E731
+        sq = int(((-(-lens[mine] // multiple) * multiple) ** 2).sum())
+        tok = padded(t, multiple)    # the work the cost sees, the row pad one more sequence: never above flat
+        assert got.depth_sq[k] + (up(tok) - tok) ** 2 <= sq + (up(flat) - flat) ** 2
+        assert up(tok) <= up(flat)   # the row, so per GPU of a CP group too (⌈row/c⌉)
+
+
+@given(data=forests(max_n=60), num_sets=st.integers(1, 6), density=st.sampled_from([0.05, 0.3, 1.0]),
+       multiple=st.sampled_from([1, 1, 4]))
+def test_micro_trees_equal_micro_tree_per_set(data, num_sets, density, multiple):
     rng, (parent, shared, lens) = data
     n = parent.size
     members = np.flatnonzero(rng.random(n * num_sets) < density)
     set_of, members = members // n, members % n
-    got = micro_trees(parent, shared, lens, members, set_of, num_sets)
+    got = micro_trees(parent, shared, lens, members, set_of, num_sets, rules=RowRules(multiple))
     orders = dfs_orders(parent, shared, members, set_of, num_sets)
     assert len(got) == num_sets == len(orders)
     for k in range(num_sets):
         want = dfs_order(parent, shared, members[set_of == k]) if (set_of == k).any() else np.zeros(0, int)
         assert orders[k].dtype == np.int64 and orders[k].tolist() == want.tolist()
     for k in range(num_sets):
-        want = micro_tree(parent, shared, lens, members[set_of == k])
+        want = micro_tree(parent, shared, lens, members[set_of == k], rules=RowRules(multiple))
         assert got[k] == want
         for f in ("owners", "parent", "start", "end", "members", "anchor"):
             assert getattr(got[k], f).dtype == np.int64
@@ -123,7 +157,7 @@ def test_set_tries_deep_chain_and_repeats():
     one = set_tries(parent, shared, lens, np.arange(n), np.zeros(n, dtype=np.int64), 1)
     assert one.tokens.tolist() == [lens[-1]] and one.depth_sq.tolist() == [lens[-1] ** 2]
     lone = set_tries(parent, shared, lens, np.arange(n), np.arange(n), n, multiple=2)
-    assert lone.tokens.tolist() == [padded(micro_tree(parent, shared, lens, [i]), 2) for i in range(n)]
+    assert lone.tokens.tolist() == [padded(owner_tree(parent, shared, lens, [i]), 2) for i in range(n)]
     rng = np.random.default_rng(0)   # deep sets with members far apart: lone climbs jump between members
     ep_, sh_, ln_ = forest(rng, 400, "edited")
     for par_, shr_, lns_ in ((parent, shared, lens), (ep_, sh_, ln_)):
@@ -134,9 +168,9 @@ def test_set_tries_deep_chain_and_repeats():
             got = set_tries(par_, shr_, lns_, mem, sets, 12, multiple=mult)
             trees = micro_trees(par_, shr_, lns_, mem, sets, 12)
             for k in range(12):
-                t = micro_tree(par_, shr_, lns_, mem[sets == k])
+                t = owner_tree(par_, shr_, lns_, mem[sets == k])
                 assert (got.tokens[k], got.depth_sq[k]) == (padded(t, mult), t.depth_sq)
-                assert trees[k] == t
+                assert trees[k] == micro_tree(par_, shr_, lns_, mem[sets == k])
     rep = set_tries(parent, shared, lens, [5, 5, 9, 5], [0, 0, 0, 1], 2)
     assert rep.tokens.tolist() == [lens[9], lens[5]]
     g = np.arange(4096)
@@ -241,7 +275,7 @@ def test_cut_trees_equal_the_exact_greedy(data, limit, frac, multiple):
     assert [sorted(a) for a in got] == [sorted(a) for a in ref]
     assert cut.first.tolist() == [a[0] for a in ref]
     for a, members in enumerate(got):
-        t = micro_tree(parent, shared, lens, members)
+        t = owner_tree(parent, shared, lens, members)
         assert (cut.tokens[a], cut.depth_sq[a]) == (padded(t, multiple), t.depth_sq)
 
 
@@ -261,16 +295,16 @@ def test_cut_trees_padded_parts_fit(data, limit, multiple):
     roots, _ = sample_forest(parent, shared, samples)
     order = dfs_order(parent, shared, samples).tolist()
     for a, members in enumerate(got):
-        t = micro_tree(parent, shared, lens, members)
+        t = owner_tree(parent, shared, lens, members)   # the cut sizes parts by the owner-segment bound
         assert (cut.tokens[a], cut.depth_sq[a]) == (padded(t, multiple), t.depth_sq)
         if cut.tokens[a] > limit:
-            assert len(members) == 1 and padded(micro_tree(parent, shared, lens, members), multiple) > limit
+            assert len(members) == 1 and padded(owner_tree(parent, shared, lens, members), multiple) > limit
         at = sorted(order.index(x) for x in members)
         assert at == list(range(at[0], at[0] + len(at)))          # one depth-first run
         assert cut.first[a] == order[at[0]]
     for r in roots:   # whole trees that fit stay one atom
         tree = [x for x in order if _root(x, parent, shared, set(samples.tolist())) == r]
-        if padded(micro_tree(parent, shared, lens, tree), multiple) <= limit:
+        if padded(owner_tree(parent, shared, lens, tree), multiple) <= limit:
             assert len(set(cut.atom_of[np.searchsorted(samples, tree)].tolist())) == 1
 
 
@@ -303,7 +337,8 @@ def test_cut_trees_chain_is_linear(n):
 # -- micro_tree / dfs_order: bit-identical to the heap-based originals ----------------------------
 
 def ref_micro_tree(parent, shared, lens, members):
-    """prefix.micro_tree as it was (a heap of pending samples): (owners, parent, start, end, anchor)."""
+    """prefix.owner_tree (micro_tree before runs were merged) as it was (a heap of pending samples):
+    (owners, parent, start, end, anchor)."""
     import heapq
     need, heap = {}, []
     for i in np.asarray(members, dtype=np.int64).tolist():
@@ -348,7 +383,7 @@ def test_micro_tree_and_dfs_order_are_unchanged(data, frac):
     members = np.flatnonzero(rng.random(n) < frac)
     members = np.concatenate([members, members[:2]])          # repeats count once
     rng.shuffle(members)
-    t = micro_tree(parent, shared, lens, members)
+    t = owner_tree(parent, shared, lens, members)
     owners, par, start, end, anchor = ref_micro_tree(parent, shared, lens, members)
     for got, want in ((t.owners, owners), (t.parent, par), (t.start, start), (t.end, end), (t.anchor, anchor),
                       (t.members, sorted(set(members.tolist())))):
@@ -362,3 +397,39 @@ def test_micro_tree_and_dfs_order_are_unchanged(data, frac):
     got_order = dfs_order(parent, shared, members)
     assert got_order.dtype == np.int64 and got_order.tolist() == want_order
     assert sorted(want_order) == sorted(set(members.tolist()))
+
+
+@given(data=forests(max_n=60), frac=st.sampled_from([0.05, 0.3, 1.0]), multiple=st.sampled_from([1, 8]))
+def test_micro_tree_segments_start_only_where_paths_branch(data, frac, multiple):
+    """micro_tree's segments are the owner segments merged along non-branching chains: the same
+    tokens and attention work; no segment is its parent's only continuation at the parent's end
+    (a segment starts only at a branch); every member's path covers its L positions in order; a
+    lone sample is one segment; and with a multiple the row is flat exactly when that is smaller."""
+    rng, (parent, shared, lens) = data
+    n = parent.size
+    members = np.flatnonzero(rng.random(n) < frac)
+    if members.size == 0:
+        members = np.array([n - 1])
+    t = micro_tree(parent, shared, lens, members, rules=RowRules(multiple))
+    o = owner_tree(parent, shared, lens, members)
+    merged = micro_tree(parent, shared, lens, members)
+    pl = -(-lens[members] // multiple) * multiple
+    if t != merged:     # laid out flat (every member its own root segment) only where the trie is worse
+        assert t.parent.tolist() == [-1] * members.size and t.end.tolist() == lens[members].tolist()
+        assert padded(merged, multiple) > pl.sum() or merged.depth_sq > (pl * pl).sum()
+        return
+    assert t == merged
+    assert t.num_tokens == o.num_tokens and t.depth_sq == o.depth_sq and t.start.size <= o.start.size
+    for k in range(t.start.size):
+        q = int(t.parent[k])
+        assert (q < 0) == (t.start[k] == 0) and q < k          # parents first
+        if q >= 0 and t.start[k] == t.end[q]:
+            same = [j for j in range(t.start.size) if t.parent[j] == q and t.start[j] == t.start[k]]
+            assert len(same) > 1, "a segment continues its parent's end without a branch there"
+    offsets = np.concatenate([[0], np.cumsum(t.end - t.start)])
+    for j, i in enumerate(t.members.tolist()):
+        rows = t.path_rows(offsets, int(t.anchor[j]), int(lens[i]) - 1)
+        assert rows.size == lens[i] and len(set(rows.tolist())) == rows.size
+    for i in members[:3].tolist():
+        lone = micro_tree(parent, shared, lens, [i], rules=RowRules(multiple, 4))
+        assert lone.start.tolist() == [0] and lone.end.tolist() == [int(lens[i])]

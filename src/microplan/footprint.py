@@ -41,6 +41,7 @@ from ._intmath import cdiv, round_up
 from .config import LAYOUTS, Layout, PlanConfig
 from .errors import PlanError
 from .fixes import too_long_fixes
+from .prefix import RowRules
 
 from .cost.models import bin_costs as _bin_costs
 from .cost.models import row_costs
@@ -146,12 +147,17 @@ class Footprint:
         return int(round_up(int(self.sample_tokens[idx].sum()), self.padding.row_multiple))
 
     def tree_tokens(self, tree: PrefixTree) -> int:
-        """Tokens a tree row holds (``share_prefixes``): each trie segment padded to the sample
-        multiple (as a flat row pads each sample), the row to the row multiple."""
+        """Tokens a tree row holds (``share_prefixes``): each trie segment (a run, or a sample of a
+        row laid out flat) padded to the sample multiple, the row to the row multiple."""
         seg = tree.end - tree.start
         m = self.padding.sample_multiple
         body = int(round_up(seg, m).sum()) if m > 1 else int(seg.sum())
         return int(round_up(body, self.padding.row_multiple))
+
+    def row_rules(self) -> RowRules:
+        """What decides a tree row's layout (``prefix.flat_wins``): these padding multiples. (Under
+        context parallel a GPU holds ⌈row/c⌉ rows, so a row no larger than flat is no larger per GPU.)"""
+        return RowRules(self.padding.sample_multiple, self.padding.row_multiple)
 
     def vision(self, idx: np.ndarray) -> int:
         """Vision tokens (patches) of these samples (0 without vision)."""
@@ -315,19 +321,22 @@ def _check_vision(fp: Footprint, config: PlanConfig) -> None:
 
 
 def bin_footprint(fp: Footprint, cost: CostModel, samples: np.ndarray, bin_of: np.ndarray, num_bins: int, *,
-                  forest: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  forest: tuple[np.ndarray, np.ndarray] | None = None,
+                  rules: RowRules | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, cost) of every bin of samples: the footprint the cap counts and the predicted cost.
 
     ``forest`` (``prefix.forest_of``): the bins hold prefix tries (``share_prefixes``) — unique
     tokens, each trie segment padded to the sample multiple, the row to the row multiple, the
-    row pad run as one more sequence, attention priced by each token's depth. Without it: the
+    row pad run as one more sequence, attention priced by each token's depth; a row laid out
+    flat where that is smaller (``prefix.flat_wins`` under the plan's ``rules``, ``Footprint.row_rules``;
+    None: padding only). Without it: the
     samples laid out under the layout's rules (:meth:`Footprint.bin_shape`).
     """
     if forest is None:
         return fp.bin_shape(cost, samples, bin_of, num_bins)
-    from .trie import set_tries
-    tries = set_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
-                      multiple=fp.padding.sample_multiple)
+    from .trie import row_tries
+    tries = row_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
+                      rules=fp.row_rules() if rules is None else rules)
     U = tries.tokens
     tokens = round_up(U, fp.padding.row_multiple)
     pad = tokens - U

@@ -21,7 +21,7 @@ from .config import PlanConfig
 from .errors import PlanError
 from .footprint import footprint_of, micro_footprint
 from .plan_json import Where, check_lengths, field, index_array, number_array, rows_of, whole
-from .prefix import forest_of, micro_tree
+from .prefix import RowRules, forest_of, micro_tree
 from .stats import compute_stats
 from .types import KChoice, Micro, PlanStats, Step
 from .validate import validate_plan
@@ -167,7 +167,9 @@ class Plan:
             raise
         except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
             raise top.fail(f"its 'batch' or 'config' does not read ({type(exc).__name__}: {exc})") from None
-        mfp = micro_footprint(footprint_of(batch, config))
+        fp = footprint_of(batch, config)
+        mfp = micro_footprint(fp)
+        rules = fp.row_rules() if config.share_prefixes else None
         step_rows = rows_of(field(d, "steps", top), "steps", top)
         choices = d.get("choices") or [None] * len(step_rows)
         if not isinstance(choices, list) or len(choices) != len(step_rows):
@@ -175,7 +177,7 @@ class Plan:
         steps = []
         for s, rows in enumerate(step_rows):
             rows = rows_of(rows, "steps", Where(f"step {s}"))
-            micros = [[_micro_from_dict(m, batch, config.share_prefixes, mfp,
+            micros = [[_micro_from_dict(m, batch, rules, mfp,
                                         Where(f"step {s}, rank {r}, micro-batch {k}"))
                        for k, m in enumerate(rows_of(row, "steps", Where(f"step {s}, rank {r}")))]
                       for r, row in enumerate(rows)]
@@ -209,7 +211,7 @@ class Plan:
         return h.hexdigest()
 
 
-def _micro_from_dict(m: Any, batch: Batch, shared: bool, fp: Any, where: Where) -> Micro:
+def _micro_from_dict(m: Any, batch: Batch, rules: RowRules | None, fp: Any, where: Where) -> Micro:
     lens, lt = batch.seq_lens, batch.loss_tokens
     idx = index_array(field(m, "indices", where), "indices", where, lens.size)
     scale = number_array(field(m, "loss_scale", where), "loss_scale", where, idx.size)
@@ -217,9 +219,9 @@ def _micro_from_dict(m: Any, batch: Batch, shared: bool, fp: Any, where: Where) 
     cp_rank = whole(field(m, "cp_rank", where), "cp_rank", where)
     group = tuple(whole(g, "cp_group", where) for g in rows_of(field(m, "cp_group", where), "cp_group", where))
     tree = None
-    if shared and idx.size:  # the trie is a pure function of the batch's forest and the samples
+    if rules is not None and idx.size:  # the row is a pure function of the forest, the samples and the rules
         parent, sh = forest_of(batch)
-        tree = micro_tree(parent, sh, lens, idx)
+        tree = micro_tree(parent, sh, lens, idx, rules=rules)
     try:
         return Micro(idx, lens[idx], lt[idx], scale, cp_size=cp_size, cp_rank=cp_rank, cp_group=group,
                      footprint=fp, tree=tree)

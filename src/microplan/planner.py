@@ -113,7 +113,7 @@ def _context(batch: Batch, config: PlanConfig, min_micro_count: int | None,
     if lone_above is not None:  # a byte budget under a dense mask: long samples run alone (memory/plan.py)
         from .memory.plan import lone_context
         ctx = lone_context(ctx, lone_above)
-    check_fits(ctx.fp, config, tokens=not config.share_prefixes)  # a tree's tokens are checked as atoms (tries)
+    check_fits(ctx.fp, config)  # a lone sample's row is the same with sharing (one run, or flat)
     return ctx
 
 

@@ -9,15 +9,21 @@ prefix tree (trie) of segments:
 1. need: every member needs its whole sequence, need[i] = L_i; a sample needs positions
    [0, min(need, s)) of its parent, so need[p] = max(need[p], min(need[i], s_i)), propagated
    from the deepest samples up (parents are earlier, so descending index order works);
-2. each owner a with need[a] > start[a] (start = s_a, or 0 for a root) holds the *segment*
-   [start[a], need[a]) of its own positions; owners may be ancestors outside S (their tokens
-   come from a descendant in S, which has the same tokens there);
-3. the trie's size is Σ (need − start) tokens (``PrefixTree.num_tokens``), its attention work
+2. each owner a with need[a] > start[a] (start = s_a, or 0 for a root) holds the *owner
+   segment* [start[a], need[a]) of its own positions; owners may be ancestors outside S (their
+   tokens come from a descendant in S, which has the same tokens there);
+3. a segment starts only where paths branch: an owner segment that begins exactly where its
+   parent's ends, as its only continuation there, is merged into it (``merge_runs``), so a
+   sample stored with its ancestors (step-wise turns) is one segment — padded once, one
+   attention call — held by its deepest owner's sequence;
+4. the trie's size is Σ (need − start) tokens (``PrefixTree.num_tokens``), its attention work
    Σ (need² − start²) = Σ over tokens of (2·position + 1), which is L² for a lone sample
    (``PrefixTree.depth_sq``: the varlen attention term of a cost model, per token depth).
 
-Guarantees: ``micro_tree`` is a pure function of the batch's forest and the member set
-(sorted members give the same tree), so a plan re-derives it on load instead of storing it.
+Guarantees: ``micro_tree`` is a pure function of the batch's forest, the member set (sorted
+members give the same tree) and the plan's padding multiples (where a row is laid out flat
+instead, ``flat_wins``, it never holds more than its samples unshared), so a plan re-derives it
+on load instead of storing it.
 ``find_shared_prefixes`` finds, for every sample, the longest common prefix with any earlier
 sample, exactly (64-bit prefix hashes, then each claimed prefix is verified token by token).
 Cost: ``micro_tree`` O(|S| + ancestors) Python steps; ``find_shared_prefixes`` O(N log N) numpy
@@ -28,21 +34,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from .errors import PlanError
 
-__all__ = ["PrefixTree", "micro_tree", "find_shared_prefixes", "forest_of", "dfs_order", "dfs_orders", "sample_forest"]
+__all__ = ["PrefixTree", "micro_tree", "owner_tree", "merge_runs", "flat_tree", "flat_is_smaller", "flat_wins",
+           "RowRules", "find_shared_prefixes", "forest_of", "dfs_order", "dfs_orders", "sample_forest"]
 
 
 @dataclass(frozen=True)
 class PrefixTree:
-    """The segments of one micro-batch's prefix trie (arrays aligned, owners ascending).
+    """The segments of one micro-batch's prefix trie (arrays aligned, parents before children).
 
     Attributes:
-        owners: int64 global sample ids owning a segment (parents before children).
+        owners: int64 global sample ids whose sequence holds each segment's positions (for a run
+            merged along a chain, its deepest owner); ordered by the first owner of each segment (a
+            row laid out flat: its samples in depth-first order).
         parent: int64 index into ``owners`` of the segment holding position ``start - 1`` of this
             segment's path (where it branches off), -1 for a root segment (start 0).
         start, end: int64 the segment's positions [start, end) in its owner's sequence.
@@ -87,12 +96,34 @@ class PrefixTree:
     __hash__ = None  # type: ignore[assignment]
 
 
-def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray) -> PrefixTree:
-    """The trie the samples ``members`` form under the forest (``parent``, ``shared``, ``lens``).
+def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray, *,
+               rules: RowRules | None = None) -> PrefixTree:
+    """The trie the samples ``members`` form under the forest (``parent``, ``shared``, ``lens``),
+    one segment per run (a segment starts only where paths branch, ``merge_runs``). Under the
+    plan's ``rules`` (padding multiples, static CP; None: none) the row is laid out flat instead
+    where that holds fewer tokens or costs less attention work (``flat_wins``), so a row never
+    holds more than its samples unshared.
+
+    O(|S| + ancestors) plus a sort of the touched samples (``owner_tree``), then ``merge_runs``."""
+    tree = owner_tree(parent, shared, lens, members)
+    if not tree.members.size:
+        return tree
+    o, p, st, en, an, _ = merge_runs(tree.owners, tree.parent, tree.start, tree.end, tree.anchor)
+    tree = PrefixTree(o, p, st, en, tree.members, an)
+    if rules is None or rules == RowRules() or not flat_is_smaller(tree, np.asarray(lens, dtype=np.int64), rules):
+        return tree
+    return flat_tree(parent, shared, lens, tree.members)
+
+
+def owner_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray,
+               members: Sequence[int] | np.ndarray) -> PrefixTree:
+    """The trie of ``members`` with one segment per owner sample (before ``merge_runs``): the
+    segments ``trie.set_tries`` pads, a bound of the row that adds up over sets.
 
     O(|S| + ancestors) plus a sort of the touched samples: the samples whose tokens the members
     reach (each member climbs until a sample already reached), then ``need`` flows up once in
     descending sample order (parents are earlier, so children come first)."""
+    lens = np.asarray(lens, dtype=np.int64)
     mem = sorted(set(np.asarray(members, dtype=np.int64).tolist()))
     if not mem:
         z = np.zeros(0, dtype=np.int64)
@@ -140,6 +171,89 @@ def micro_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members
         anchor.append(pos[q])
     i64 = lambda x: np.asarray(x, dtype=np.int64)  # noqa: E731
     return PrefixTree(i64(owners), i64(par), i64(start), i64(end), arr, i64(anchor))
+
+
+def merge_runs(owners: np.ndarray, par: np.ndarray, start: np.ndarray, end: np.ndarray,
+               anchor: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Owner segments merged into runs: a segment that starts exactly where its parent segment
+    ends, as that parent's only such child, continues it (the path does not branch there), so
+    the two are one segment. ``par``/``anchor`` index the given segments (parents first; several
+    trees may be concatenated, ``par`` global). A run is held by its deepest owner's sequence
+    (which equals its ancestors' on the shared positions) and keeps its head's parent; runs stay
+    in the order of their heads, so parents still come first. Returns (owners, par, start, end,
+    anchor, heads) of the runs, ``heads`` the given segment each run starts with. O(S log depth)
+    numpy."""
+    n = par.size
+    has = par >= 0
+    pp = np.where(has, par, 0)
+    cand = has & (end[pp] == start)
+    cont = cand & (np.bincount(par[cand], minlength=n)[pp] == 1) if n else cand
+    if not cont.any():
+        return owners, par, start, end, anchor, np.arange(n, dtype=np.int64)
+    head = np.where(cont, par, np.arange(n, dtype=np.int64))
+    while True:   # pointer doubling to each chain's head
+        nxt = head[head]
+        if np.array_equal(nxt, head):
+            break
+        head = nxt
+    has_child = np.zeros(n, dtype=bool)
+    has_child[par[cont]] = True
+    tails = np.flatnonzero(~has_child)
+    tail_of = np.empty(n, dtype=np.int64)
+    tail_of[head[tails]] = tails
+    heads = np.flatnonzero(~cont)
+    index = np.full(n, -1, dtype=np.int64)
+    index[heads] = np.arange(heads.size, dtype=np.int64)
+    run_of = index[head]
+    t = tail_of[heads]
+    hp = par[heads]
+    new_par = np.where(hp >= 0, run_of[np.maximum(hp, 0)], -1)
+    return owners[t], new_par, start[heads], end[t], run_of[anchor], heads
+
+
+class RowRules(NamedTuple):
+    """What decides a tree row's layout (``Footprint.row_rules``): ``pad_to_multiple_of`` (each
+    segment padded to it) and ``pad_row_to_multiple_of``."""
+
+    multiple: int = 1
+    row: int = 1
+
+
+def flat_wins(trie: tuple[Any, Any], flat: tuple[Any, Any], rules: RowRules) -> Any:
+    """True where a row is laid out flat. ``trie`` and ``flat`` are (tokens before the row
+    multiple, attention work) of the trie's padded runs and of the members flat (each
+    its own sequence padded to the multiple; work Σ ⌈L/m⌉²·m², as an unshared row is priced). The
+    trie is kept only where it is no larger on every count the cost and the cap see: tokens, the
+    row rounded to ``rules.row`` (so no more per GPU of a CP group either: ⌈row/c⌉), and the
+    attention work plus the row pad's (one more sequence). So a row never holds more, nor costs
+    more under any cost model with non-negative terms, than its samples unshared. Ints or int
+    arrays."""
+    T, W = (np.asarray(x) for x in trie)
+    F, V = (np.asarray(x) for x in flat)
+    r = rules.row
+    RT, RF = -(-T // r) * r, -(-F // r) * r
+    out = (F < T) | (RF < RT) | (V + (RF - F) ** 2 < W + (RT - T) ** 2)
+    return bool(out) if out.ndim == 0 else out
+
+
+def flat_is_smaller(tree: PrefixTree, lens: np.ndarray, rules: RowRules) -> bool:
+    """``flat_wins`` for one trie (its runs padded to ``rules.multiple``)."""
+    m = int(rules.multiple)
+    run = int((-(-(tree.end - tree.start) // m) * m).sum())
+    pl = -(-lens[tree.members] // m) * m
+    return flat_wins((run, tree.depth_sq), (int(pl.sum()), int((pl * pl).sum())), rules)
+
+
+def flat_tree(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: np.ndarray) -> PrefixTree:
+    """The row of ``members`` (sorted) without sharing: each member one root segment [0, L), in
+    depth-first order (``dfs_order``, the order a micro-batch lists its samples), so the row is
+    laid out as the same samples unshared."""
+    members = np.asarray(members, dtype=np.int64)
+    order = dfs_order(parent, shared, members)
+    anchor = np.empty(members.size, dtype=np.int64)
+    anchor[np.searchsorted(members, order)] = np.arange(order.size, dtype=np.int64)
+    return PrefixTree(order, np.full(order.size, -1, dtype=np.int64), np.zeros(order.size, dtype=np.int64),
+                      np.asarray(lens, dtype=np.int64)[order], members, anchor)
 
 
 def forest_of(batch: Any) -> tuple[np.ndarray, np.ndarray]:

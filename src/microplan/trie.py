@@ -17,11 +17,15 @@ The planner needs that for thousands of sets per step (one per sample, per tree,
    by binary lifting on min start.
 3. ``cut_trees`` (``treecut.py``): a step's trees, whole or cut into parts of bounded size.
 
-Padding: with ``multiple`` m every segment occupies ceil(len/m)·m tokens (``tokens``);
-``depth_sq`` always counts real tokens only (Σ need² − start²), as ``PrefixTree.depth_sq``.
+Padding: ``set_tries(..., multiple=m)`` pads every *owner* segment to ceil(len/m)·m tokens: a
+bound of the row the packer can add up over sets (the union of two sets has at most the owner
+segments of each, and a run is a merge of owner segments, pad(a + b) <= pad(a) + pad(b)).
+``row_tries`` counts the row itself (``micro_trees``' runs, or the samples flat where that wins,
+``prefix.flat_wins``). ``depth_sq`` counts real tokens (Σ need² − start²), as ``PrefixTree.depth_sq``.
 
 Guarantees: ``set_tries(..., multiple=1)`` equals ``micro_tree(...).num_tokens``/``depth_sq`` of
-every set, ``micro_trees`` equals ``micro_tree`` field by field (tests/test_trie.py, hypothesis).
+every set, ``micro_trees`` and ``row_tries`` equal ``micro_tree`` field by field / padded, never
+above the members unshared (tests/test_trie.py, hypothesis).
 Cost: O(pairs) (+ O(N log depth) tables); with m > 1 a deep lone climb still visits each level.
 Measured trade-off (busy 2-core VM, min of runs): 16,384 GRPO samples as one-sample sets ~0.6 ms,
 as 2,048 trees ~8 ms; ~2,400 GRPO micro-batches' PrefixTrees ~60 ms vs ~260 ms by micro_tree
@@ -36,9 +40,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .prefix import PrefixTree
+from .prefix import PrefixTree, RowRules, flat_tree, flat_wins, merge_runs
 
-__all__ = ["TrieSets", "TreeCut", "set_tries", "cut_trees", "forest_depths", "micro_trees"]
+__all__ = ["TrieSets", "TreeCut", "set_tries", "row_tries", "cut_trees", "forest_depths", "micro_trees"]
 
 _NARROW = 24   # levels with at most this many (set, node) pairs run in plain Python
 
@@ -100,8 +104,9 @@ def set_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members:
               depth: np.ndarray | None = None) -> TrieSets:
     """The trie of every set: ``members[j]`` (a global sample id) belongs to set ``set_of[j]``.
 
-    ``tokens[k]`` is ``micro_tree(parent, shared, lens, set k).num_tokens`` with each segment
-    rounded up to a multiple of ``multiple``; ``depth_sq[k]`` its ``depth_sq`` (unpadded). A
+    ``tokens[k]`` is ``owner_tree(parent, shared, lens, set k).num_tokens`` with each owner
+    segment rounded up to a multiple of ``multiple`` (the packing bound; ``row_tries`` is the
+    row); ``depth_sq[k]`` its ``depth_sq`` (unpadded). A
     repeated (set, member) pair counts once; an empty set holds 0. ``depth`` (``forest_depths``)
     may be passed to save its O(N log depth). Cost: O(P) for the P (set, node) pairs the sets
     touch (members and the ancestors their tokens reach, each once per set), in one numpy step
@@ -416,15 +421,62 @@ def _int_bincount(idx: np.ndarray, w: np.ndarray, size: int) -> np.ndarray:
 
 
 def micro_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray,
-                set_of: Sequence[int] | np.ndarray, num_sets: int) -> list[PrefixTree]:
-    """``[micro_tree(parent, shared, lens, set k) for k in range(num_sets)]``, equal field by field.
+                set_of: Sequence[int] | np.ndarray, num_sets: int, *,
+                rules: RowRules | None = None) -> list[PrefixTree]:
+    """``[micro_tree(parent, shared, lens, set k, rules=rules) for k in range(num_sets)]``,
+    equal field by field (segments merged into runs, a flat row where that is smaller).
 
     The needs of every (set, owner) come from one level-by-level pass (as ``set_tries``, every
     pair recorded); a segment's parent is the nearest ancestor whose own segment starts below it
     (the owner of position s_a − 1: every ancestor is in the set's trie) and a member's anchor is
-    itself or that ancestor, both by binary lifting over the forest. Cost: O(P) for the P
-    (set, owner) pairs plus O(N log depth) for the lifting tables, a numpy step per level.
+    itself or that ancestor, both by binary lifting over the forest; then ``prefix.merge_runs``
+    over all sets at once. Cost: O(P) for the P (set, owner) pairs plus O(N log depth) for the
+    lifting tables, a numpy step per level.
     """
+    rows = _row_arrays(parent, shared, lens, members, set_of, num_sets, rules)
+    seg_set, owners, par, st, end, mset, mem, anchor, flat = rows
+    off = np.searchsorted(seg_set, np.arange(num_sets + 1))
+    moff = np.searchsorted(mset, np.arange(num_sets + 1))
+    parent, shared, lens = _i64(parent), _i64(shared), _i64(lens)
+    out = []
+    for k in range(num_sets):
+        c, d = int(moff[k]), int(moff[k + 1])
+        if flat[k]:
+            out.append(flat_tree(parent, shared, lens, mem[c:d]))
+            continue
+        a, b = int(off[k]), int(off[k + 1])
+        out.append(PrefixTree(owners[a:b], par[a:b] - np.where(par[a:b] >= 0, a, 0), st[a:b], end[a:b], mem[c:d],
+                              anchor[c:d] - a))
+    return out
+
+
+def row_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray,
+              set_of: Sequence[int] | np.ndarray, num_sets: int, *, rules: RowRules | None = None,
+              depth: np.ndarray | None = None) -> TrieSets:
+    """What each set's row holds (``micro_trees(..., rules=rules)``' rows, before the row
+    multiple): its runs padded to ``rules.multiple``, or its members flat where that wins
+    (``prefix.flat_wins``), and the attention work of that layout (``depth_sq``: Σ ⌈L/m⌉²·m² for a flat
+    row). Without padding: ``set_tries`` (the trie is never larger than its members).
+    Never more than Σ ⌈L/m⌉·m of the members."""
+    rules = RowRules() if rules is None else rules
+    if rules.multiple <= 1 and rules.row <= 1:
+        return set_tries(parent, shared, lens, members, set_of, num_sets, depth=depth)
+    m = int(rules.multiple)
+    seg_set, _, _, st, end, mset, mem, _, flat = _row_arrays(parent, shared, lens, members, set_of, num_sets, rules)
+    lens = _i64(lens)
+    run = _int_bincount(seg_set, _pad(end - st, m), num_sets)
+    dsq = np.bincount(seg_set, weights=(end * end - st * st).astype(np.float64), minlength=num_sets)
+    pl = _pad(lens[mem], m)
+    flat_tok = _int_bincount(mset, pl, num_sets)
+    flat_dsq = np.bincount(mset, weights=(pl * pl).astype(np.float64), minlength=num_sets)  # as an unshared row
+    return TrieSets(np.where(flat, flat_tok, run), np.where(flat, flat_dsq, dsq))
+
+
+def _row_arrays(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, members: Sequence[int] | np.ndarray,
+                set_of: Sequence[int] | np.ndarray, num_sets: int, rules: RowRules | None) -> tuple[np.ndarray, ...]:
+    """The runs of every set's trie, concatenated set by set (``par``/``anchor`` global), the
+    members (sorted per set) and per set whether its row is laid out flat (``prefix.flat_wins``):
+    (seg_set, owners, par, start, end, member_set, member, anchor, flat)."""
     parent, shared, lens = _i64(parent), _i64(shared), _i64(lens)
     n = parent.size
     ep, start = _links(parent, shared)
@@ -433,23 +485,25 @@ def micro_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, member
     o = np.argsort(keys)
     keys, need = keys[o], need[o]
     sets, nodes = keys // n, keys % n
-    off = np.searchsorted(sets, np.arange(num_sets + 1))
     st = start[nodes]
     up = _below(ep, start, np.where(st > 0, nodes, -1), st)         # owner of position s_a − 1
-    par = np.where(st > 0, np.searchsorted(keys, sets * n + np.maximum(up, 0)) - off[sets], -1)
+    par = np.where(st > 0, np.searchsorted(keys, sets * n + np.maximum(up, 0)), -1)
     mset, mem = mkey // n, mkey % n
-    moff = np.searchsorted(mset, np.arange(num_sets + 1))
     inside = lens[mem] <= start[mem]                                # ends inside its parent's prefix
     anchor_node = np.where(inside, _below(ep, start, np.where(inside, mem, -1), lens[mem]), mem)
-    anchor = np.searchsorted(keys, mset * n + anchor_node) - off[mset]
-    out = []
-    for k in range(num_sets):
-        a, b = int(off[k]), int(off[k + 1])
-        c, d = int(moff[k]), int(moff[k + 1])
-        out.append(PrefixTree(nodes[a:b], par[a:b], st[a:b], need[a:b], mem[c:d], anchor[c:d]))
-    return out
-
-
+    anchor = np.searchsorted(keys, mset * n + anchor_node)
+    owners, par, st, end, anchor, heads = merge_runs(nodes, par, st, need, anchor)
+    heads_set = sets[heads]
+    flat = np.zeros(num_sets, dtype=bool)
+    if rules is not None and rules != RowRules() and mem.size:
+        m = int(rules.multiple)
+        run = _int_bincount(heads_set, _pad(end - st, m), num_sets)
+        work = _int_bincount(heads_set, end * end - st * st, num_sets)
+        pl = _pad(lens[mem], m)
+        count = np.bincount(mset, minlength=num_sets)
+        flat = flat_wins((run, work), (_int_bincount(mset, pl, num_sets), _int_bincount(mset, pl * pl, num_sets)),
+                         rules) & (count > 0)
+    return heads_set, owners, par, st, end, mset, mem, anchor, flat
 def _owner_needs(ep: np.ndarray, start: np.ndarray, shared: np.ndarray, lens: np.ndarray, mkey: np.ndarray,
                  n: int) -> tuple[np.ndarray, np.ndarray]:
     """(key, need) of every (set, node) whose need exceeds its start: one numpy step per level."""

@@ -60,7 +60,8 @@ def _check_micro(b: Batch, cfg: PlanConfig, s: int, r: int, m: int, micro: Micro
         _fail(f"{where}: non-finite loss_scale")
     if cfg.share_prefixes and k:
         parent, shared = forest_of(b)
-        if micro.tree is None or micro.tree != micro_tree(parent, shared, b.seq_lens, micro.indices):
+        if micro.tree is None or micro.tree != micro_tree(parent, shared, b.seq_lens, micro.indices,
+                                                         rules=fp.row_rules()):
             _fail(f"{where}: the prefix tree does not match the batch's shared prefixes for these samples")
         if micro.tree.num_tokens > int(micro.seq_lens.sum()):  # type: ignore[union-attr]
             _fail(f"{where}: the prefix tree holds more tokens than its samples unshared")

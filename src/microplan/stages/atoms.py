@@ -8,9 +8,12 @@ Options are properties of this stage, so they compose:
 
 - plain plans: one atom per sample (vectorised, no Python per sample);
 - ``share_prefixes``: prefix trees whose trie fits a limit stay whole, larger ones are cut at
-  their branches (``trie.cut_trees``); tokens are unique trie tokens, each segment padded to
-  ``pad_to_multiple_of``; attention is priced by each token's depth (``tree_costs``); vision
-  tokens add up over the members (an image is never assumed shared);
+  their branches (``trie.cut_trees``); tokens are unique trie tokens, each owner segment padded
+  to ``pad_to_multiple_of`` (a bound of the row that adds up over atoms: a bin's row, its runs
+  or its samples flat, never holds more than its atoms' sum); attention is priced by each
+  token's depth (``tree_costs``); vision tokens add up over the members (an image is never
+  assumed shared); one-sample atoms are exactly the unshared plan's (a lone sample's row is its
+  own padded sequence), which makes sharing never hurt (docs/prefix.md);
 - ``placement="local"``: trees are cut per owner rank, so an atom never spans two ranks (what a
   rank holds of a group shares what is local).
 
@@ -34,7 +37,8 @@ __all__ = ["Atoms", "sample_atoms", "tree_atoms"]
 class Atoms(NamedTuple):
     """One step's atoms (arrays aligned by atom; ``members[ptr[a]:ptr[a+1]]`` are atom a's samples)."""
 
-    tokens: np.ndarray            # int64 tokens the atom occupies alone (padding included, no row multiple)
+    tokens: np.ndarray            # int64 tokens the atom packs as (padding included, no row multiple; trees:
+    #                               each owner segment padded, a bound of its row that adds up over atoms)
     costs: np.ndarray             # float64 additive cost (vision included)
     rollouts: np.ndarray          # int64 drop unit: the smallest rollout code of the atom's component
     label: np.ndarray             # int64 a member sample, named in refusals
@@ -70,11 +74,7 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
     """One atom per sample (what the plain planner packs; sharing plans still share inside a bin)."""
     fp, b = ctx.fp, ctx.batch
     vis = None if ctx.vision_cap is None else fp.vision_tokens[samples]  # type: ignore[index]
-    tokens = fp.sample_tokens[samples]
-    if ctx.cfg.share_prefixes and fp.padding.sample_multiple > 1:
-        # a lone sample's trie runs through its ancestors' segments, each padded to the multiple
-        tokens = set_tries(ctx.parent, ctx.shared, b.seq_lens, samples, np.arange(samples.size), samples.size,
-                           multiple=fp.padding.sample_multiple).tokens
+    tokens = fp.sample_tokens[samples]   # with sharing too: a lone sample's trie is one run, padded as flat
     ptr = np.arange(samples.size + 1, dtype=np.int64)
     return Atoms(tokens, ctx.costs[samples], b.rollout_codes[samples], samples, samples, ptr,
                  None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes, True)

@@ -15,7 +15,7 @@ import numpy as np
 
 from .._sort import stable_argsort
 from ..batch import Batch
-from ..prefix import PrefixTree, dfs_orders
+from ..prefix import PrefixTree, RowRules, dfs_orders
 from ..trie import micro_trees
 from ..types import Micro, Step
 from .context import PlanContext
@@ -53,7 +53,8 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     if not atoms.trees:  # a rank's placeholders share one (immutable) Micro
         return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
                     choice=lay.choice)
-    tparts = tree_parts(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale)
+    tparts = tree_parts(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale,
+                        rules=ctx.fp.row_rules())
     micros = []
     empty = _empty_parts()
     for r in range(D):
@@ -78,7 +79,8 @@ def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndar
     if lay.atoms.trees:
         empty = (_empty_parts(), None)
         parts = [empty if p is None else p
-                 for p in tree_parts(ctx.parent, ctx.shared, ctx.batch, kept, sbin, nb, scale)]
+                 for p in tree_parts(ctx.parent, ctx.shared, ctx.batch, kept, sbin, nb, scale,
+                                     rules=ctx.fp.row_rules())]
     else:
         parts = [(p, None) for p in binned_micros(kept, sbin, nb, scale, ctx.batch)]
     width = lay.width.tolist()
@@ -97,11 +99,13 @@ def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndar
 
 
 def tree_parts(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
-               scale: np.ndarray) -> list[tuple[tuple[np.ndarray, ...], PrefixTree] | None]:
+               scale: np.ndarray, *,
+               rules: RowRules | None = None) -> list[tuple[tuple[np.ndarray, ...], PrefixTree] | None]:
     """Per bin of tree rows: its Micro's four columns in depth-first order and its prefix trie
-    (None for an empty bin). ``kept`` ascending, ``sbin`` and ``scale`` aligned with it."""
+    (None for an empty bin; ``rules``: the plan's ``Footprint.row_rules``, which decide where a
+    row is laid out flat, ``prefix.micro_tree``). ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
     orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
-    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb)
+    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb, rules=rules)
     flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
     ix, ln, lt, sc = whole = (flat, b.seq_lens[flat], b.loss_tokens[flat],
                               scale[np.searchsorted(kept, flat)].astype(np.float64))

@@ -72,7 +72,9 @@ class Binner:
         if self.forest is None:
             return (self.fp.bin_costs(self.cfg.cost, self.kept, sb, nb),  # type: ignore[arg-type]
                     self.fp.bin_tokens(self.kept, sb, nb))
-        tokens, costs = bin_footprint(self.fp, self.cfg.cost, self.kept, sb, nb, forest=self.forest)  # type: ignore[arg-type]
+        tokens, costs = bin_footprint(self.fp, self.cfg.cost, self.kept, sb, nb,  # type: ignore[arg-type]
+                                      forest=self.forest,
+                                      rules=self.fp.row_rules())
         return costs, tokens
 
 

@@ -17,7 +17,9 @@ group of ``max_size`` GPUs, and one atom per sample; each is laid out by the sam
 (which chooses the CP widths inside the fit) and the same ``short_step`` rule picks among them.
 
 Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
-exactly what the plain planner packs. Cost: up to four layouts per sharing step (one without).
+exactly what the plain planner packs into rows that never cost more (``prefix.flat_wins``), nor
+drops more samples — so sharing never hurts (docs/prefix.md). Cost: up to four layouts per
+sharing step (one without).
 """
 
 from __future__ import annotations

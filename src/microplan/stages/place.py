@@ -25,7 +25,7 @@ no rollout split by a drop). Cost: one fit (usually one packing) and one footpri
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -126,6 +126,9 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
         grid = f.slots.grid
     else:
         grid = arrange(per_gpu, D, K)
+        if atoms.trees and atoms.single:  # never a worse arrangement than the unshared plan's
+            grid = _no_worse_than_flat(grid, gpu_costs(cfg.cost, costs, tokens, cp), samples, sample_bin,  # type: ignore[arg-type]
+                                       f.slots, ctx, K)
     run_time = grid_time(gpu_costs(cfg.cost, costs, tokens, cp)[grid], cfg.sync)  # type: ignore[arg-type]
     choice = f.choice if f.choice is not None else _static_choice(K, run_time, cfg)  # static batching
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
@@ -174,6 +177,23 @@ def _check_tree_cap(atoms: Atoms, lens: np.ndarray, ctx: PlanContext) -> None:
         (f", {cap} after the row multiple" if cap != cfg.max_tokens_per_micro * cp else "")
     raise PlanError(f"{who}, more than one micro-batch may hold ({where}); "
                     f"{too_long_fixes(cfg, padded=ctx.fp.padding.sample_multiple > 1)}.")
+
+
+def _no_worse_than_flat(grid: np.ndarray, priced: np.ndarray, samples: np.ndarray, sample_bin: np.ndarray,
+                        slots: Any, ctx: PlanContext, K: int) -> np.ndarray:
+    """Per-sample atoms with shared prefixes pack exactly the bins the unshared plan packs, each
+    costing no more (a trie row never holds more than its samples flat); the unshared plan's
+    arrangement of them is kept when it is the faster one under the shared costs, so the
+    candidate's predicted time is never above the unshared plan's (``arrange`` is a heuristic,
+    not monotone in the costs under ``sync="step"``)."""
+    cfg = ctx.cfg
+    D = cfg.dp_size
+    tokens, costs = ctx.fp.bin_shape(cfg.cost, samples, sample_bin, D * K)  # type: ignore[arg-type]
+    flat = costs if cfg.static_cp_size == 1 else cp_micro_costs(cfg.cost, costs, tokens, cfg.static_cp_size)
+    other = slots.grid if slots is not None and np.array_equal(slots.costs, flat) else arrange(flat, D, K)
+    if grid_time(priced[other], cfg.sync) < grid_time(priced[grid], cfg.sync):
+        return other
+    return grid
 
 
 def _atom_bin_cost(atoms: Atoms, ctx: PlanContext):

@@ -24,7 +24,8 @@ Steps, per attention call:
    The table is computed once per forward (cached on the ``position_ids`` or ``cu_seq_lens`` tensors), not per layer.
 3. Each segment runs ``torch.nn.functional.scaled_dot_product_attention`` on its own slice
    (``is_causal`` when it is square, an explicit lower-right mask otherwise; GQA through
-   ``enable_gqa``); the outputs are concatenated back into the row.
+   ``enable_gqa``); the outputs are concatenated back into the row. A tree row's segments of
+   like shape run batched, one padded masked call per group (``segment_groups.py``).
 
 Anything that is not a training-style forward over a packed row — a KV cache (keys longer than
 queries without an explicit table), a 4-D mask — is handed to transformers' own sdpa function,
@@ -50,6 +51,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PlanError
+from .segment_groups import grouped_attention
 
 __all__ = ["ATTENTION_NAME", "Segments", "register_attention", "segments_from_cu_seqlens",
            "segments_from_position_ids", "varlen_attention", "segment_attention"]
@@ -150,8 +152,12 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
                       scale: float | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """Attention of flattened tokens by segment: ``query [N, Hq, D]``, ``key/value [N, Hkv, D]`` → ``[N, Hq, Dv]``.
 
-    Each segment is one ``scaled_dot_product_attention`` call; tokens in no segment give 0.
+    Each segment is one ``scaled_dot_product_attention`` call; tokens in no segment give 0. A
+    tree row's table (queries apart from keys) batches segments of like shape into one call each
+    (``segment_groups.grouped_attention``).
     """
+    if not segments.flat and len(segments.q_starts) > 1:
+        return grouped_attention(query, key, value, segments, scale=scale, dropout_p=dropout_p)
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for qa, qb, ka, kb in zip(segments.q_starts, segments.q_ends, segments.k_starts, segments.k_ends):

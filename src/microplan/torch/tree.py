@@ -1,9 +1,10 @@
 """Pack a prefix-shared micro-batch: every shared token once, with what attention and the loss need.
 
 Design note. A micro-batch planned with ``share_prefixes=True`` carries its trie
-(``Micro.tree``, :class:`microplan.prefix.PrefixTree`): segments ``[start, end)`` of owner
-samples, each continuing the path of a parent segment. :func:`pack_tree` lays the segments out
-in one row (owners ascending, so parents come first) and derives, on the host:
+(``Micro.tree``, :class:`microplan.prefix.PrefixTree`): segments ``[start, end)`` — runs that
+start only where paths branch — each continuing the path of a parent segment (at its end or
+inside it). :func:`pack_tree` lays the segments out in one row (parents first) and derives, on
+the host:
 
 1. ``input_ids`` from the members' token ids, which must agree wherever their declared prefixes
    meet (else PlanError naming the sample and its prefix parent); ``position_ids`` = each
