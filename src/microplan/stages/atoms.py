@@ -48,6 +48,7 @@ class Atoms(NamedTuple):
     vision: np.ndarray | None     # int64 vision tokens (only when a vision cap applies), else None
     trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
     one_each: bool = False        # known to hold one sample per atom (sample_atoms): ``single`` without the O(n) test
+    flat_fit: bool = False        # trees packed as the unshared plan packs them: the fit prices flat rows
 
     @property
     def size(self) -> int:

@@ -13,13 +13,16 @@ candidate fills the ranks does ``error`` raise (counting samples, not tree parts
 drop whole trailing rollouts from the candidate that keeps the most samples.
 
 Under dynamic context parallel the candidates are whole trees cut only where a tree fits no
-group of ``max_size`` GPUs, and one atom per sample; each is laid out by the same ``lay_out``
-(which chooses the CP widths inside the fit) and the same ``short_step`` rule picks among them.
+group of ``max_size`` GPUs, one atom per sample fitted on flat rows (the unshared plan's groups
+and widths, each bin priced as its tree row: the fitter's choices are not monotone in the bin
+costs, so this is what keeps sharing from being slower), and one atom per sample; each is laid
+out by the same ``lay_out`` (which chooses the CP widths inside the fit) and the same
+``short_step`` rule picks among them.
 
 Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
 exactly what the plain planner packs into rows that never cost more (``prefix.flat_wins``), nor
 drops more samples — so sharing never hurts (docs/prefix.md). Cost: up to four layouts per
-sharing step (one without).
+sharing step (three under dynamic CP; one without).
 """
 
 from __future__ import annotations
@@ -86,9 +89,13 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
 
 def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
     """``share_prefixes`` × ``ContextParallel(max_size=c)``: whole trees (cut only where a tree fits
-    no group of c GPUs) and one atom per sample (last)."""
+    no group of c GPUs), one atom per sample fitted as the unshared plan fits them (its groups and
+    widths, each bin priced as its tree row: never slower than the unshared plan, whose bin choices
+    the fitter makes from flat rows), and one atom per sample (last)."""
     cmax = int(ctx.cfg.context_parallel.max_size)  # type: ignore[union-attr]
-    atoms = [tree_atoms(samples, ctx, int(group_room(cmax, ctx.cfg))), sample_atoms(samples, ctx)]
+    per_sample = sample_atoms(samples, ctx)
+    atoms = [tree_atoms(samples, ctx, int(group_room(cmax, ctx.cfg))), per_sample._replace(flat_fit=True),
+             per_sample]
     return atoms, [c for c in map(attempt, atoms) if c is not None]
 
 

@@ -114,8 +114,11 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, nb, forest=forest)  # type: ignore[arg-type]
     if f.width is not None:  # dynamic CP: the fitter placed its groups and priced them (gpu_costs)
         assert f.grid is not None and f.time is not None
+        time = f.time
+        if atoms.flat_fit and atoms.trees:  # the unshared plan's groups, each bin priced as its tree row
+            time = grid_time(gpu_costs(cfg.cost, costs, tokens, f.width)[f.grid], cfg.sync)
         return Layout(atoms, kept, dropped, bin_of, f.grid, K, f.choice, samples, sample_bin, tokens, costs,
-                      f.time, f.time, f.width)
+                      time, time, f.width)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
     if f.grid is not None:  # the local hedge levelled bin r·K + m against slot m: re-sorting would undo it
@@ -139,7 +142,8 @@ def _fit(s: int, atoms: Atoms, ctx: PlanContext, policy: str) -> Fit:
     """The step's fit by the fitter its placement and CP mode call for (``fitted.Fit``, one result)."""
     cfg = ctx.cfg
     if cfg.context_parallel is not None and cfg.context_parallel.dynamic:  # a width per bin, chosen in the fit
-        units = atom_units(atoms) if atoms.trees else sample_units(atoms.members, ctx.batch, ctx.costs, ctx.fp, cfg)
+        units = atom_units(atoms) if atoms.trees and not atoms.flat_fit else \
+            sample_units(atoms.members, ctx.batch, ctx.costs, ctx.fp, cfg)
         return fit_dynamic_cp(s, units, ctx, policy)
     view = _view(atoms, ctx)
     lens = atoms.tokens
