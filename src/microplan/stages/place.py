@@ -130,8 +130,8 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     else:
         grid = arrange(per_gpu, D, K)
         if atoms.trees and atoms.single:  # never a worse arrangement than the unshared plan's
-            grid = _no_worse_than_flat(grid, gpu_costs(cfg.cost, costs, tokens, cp), samples, sample_bin,  # type: ignore[arg-type]
-                                       f.slots, ctx, K)
+            priced = gpu_costs(cfg.cost, costs, tokens, cp)  # type: ignore[arg-type]
+            grid = _no_worse_than_flat(grid, priced, samples, sample_bin, f.slots, ctx, K)
     run_time = grid_time(gpu_costs(cfg.cost, costs, tokens, cp)[grid], cfg.sync)  # type: ignore[arg-type]
     choice = f.choice if f.choice is not None else _static_choice(K, run_time, cfg)  # static batching
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
