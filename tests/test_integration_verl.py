@@ -434,3 +434,72 @@ def test_the_engine_loop_feeds_one_meter_per_step_identical_on_every_rank():
     assert "microplan/measured_s" in first and "microplan/predicted_s" not in first  # FLOPs: no seconds yet
     for m in later:
         assert m["microplan/measured_s"][0] > 0 and abs(m["microplan/predicted_error"][0]) < 0.5
+
+
+# -- (e) exploration: a dense kernel identified from the engine's own timings (issue 27) ----------
+
+_CFG7B = {"model_type": "llama", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+          "num_key_value_heads": 32, "intermediate_size": 11008, "vocab_size": 32000, "hidden_act": "silu"}
+_CAP = 32768
+
+
+class _DenseEngine:
+    """verl's engine loop on a simulated dense (packed-T²) kernel: each micro-batch advances a fake
+    clock by the truth's seconds (3 % noise, seeded), so the meter's timings are deterministic.
+    Records the micro-batch count of every pass (forward-only and training)."""
+
+    _F = mp.FlopsCost.from_hf_config(_CFG7B, attention="flops", per_micro=0.0)
+    TRUTH = mp.FlopsCost(linear=_F.linear * 1e-15, quadratic=_F.quadratic * 1e-15,
+                         packed_quadratic=2 * _F.quadratic * 1e-15, per_micro=0.02 * _F.linear * _CAP * 1e-15)
+
+    class model_config:
+        hf_config = _CFG7B
+
+    def __init__(self):
+        self.clock, self.noise, self.passes = 0.0, np.random.default_rng(7), []
+
+    def forward_step(self, micro_batch, loss_function, forward_only):
+        lens = micro_batch["input_ids"].offsets().diff().numpy()
+        self.clock += self.TRUTH.micro_cost(lens) * (1 + 0.03 * self.noise.standard_normal())
+        return torch.zeros(()), {}
+
+    def forward_backward_batch(self, data, loss_function, forward_only=False):
+        from verl.utils import seqlen_balancing as sb
+        micros, _ = sb.rearrange_micro_batches(data, max_token_len=_CAP)
+        for m in micros:
+            self.forward_step(m, loss_function, forward_only)
+        self.passes.append((forward_only, len(micros)))
+        return {"metrics": {}}
+
+
+def test_training_passes_explore_until_a_dense_kernel_is_identified(monkeypatch):
+    """Short samples, every micro-batch planned at the cap: T² is ~constant over the records, so
+    without exploration the meter cannot tell the dense kernel from a varlen one (evidence < 3 nats
+    after 4 steps). The drop-in plans its training passes with ``explore_config``: probe steps at a
+    lower cap decide the regime (dense); the log-prob passes keep the plain cost at the cap and do
+    not count as warm-up steps."""
+    import types
+
+    from microplan.cost.meter import EVIDENCE
+    from microplan.integrations import _verl_meter as vm
+    from verl.utils import tensordict_utils as tu
+    engine = _DenseEngine()
+    mpv.install(hf_config=_CFG7B)
+    monkeypatch.setattr(vm, "time", types.SimpleNamespace(perf_counter=lambda: engine.clock))
+    vm.wrap_engine(_DenseEngine)
+    try:
+        for step in range(4):
+            lens = np.random.default_rng(step).integers(200, 3000, 160)
+            rows = [torch.zeros(int(L), dtype=torch.long) for L in lens]
+            td = tu.get_tensordict({"input_ids": torch.nested.as_nested_tensor(rows, layout=torch.jagged)})
+            engine.forward_backward_batch(td, None, forward_only=True)  # the log-prob pass
+            engine.forward_backward_batch(td, None)                     # the update
+        rep = vm.STATE["meter"].report()
+    finally:
+        mpv.uninstall()
+    assert rep.regime == "dense" and rep.regime_evidence >= EVIDENCE, rep
+    assert rep.probes and {p.step for p in rep.probes} <= {2, 3}  # warm-up training passes 2..3 only
+    assert all(p.cap < _CAP for p in rep.probes)
+    logprob = [k for fwd, k in engine.passes if fwd]
+    update = [k for fwd, k in engine.passes if not fwd]
+    assert logprob[1] < update[1]  # step 2: the update probed (more, smaller micro-batches), the log-prob pass did not

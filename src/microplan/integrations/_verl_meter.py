@@ -22,6 +22,12 @@ order — so every rank holds the same fit and plans the same plan (the plan fin
 agreeing). The step's predicted lockstep time (Σ over slots of the slowest rank, by the model the
 step was planned with, in seconds once calibrated) and the measured one go into the metrics dict
 verl logs: ``microplan/predicted_s``, ``microplan/measured_s``, ``microplan/predicted_error``.
+Exploration: a training pass's balancing plans with the meter's ``explore_config``
+(:func:`planning_config`): in the meter's warm-up steps (its ``explore_steps``, counted in
+training passes) it may plan at a lower token cap, within the meter's cost budget, until the
+records tell a dense (packed-T²) kernel from a varlen one; forward-only passes plan with the plain
+cost and never count as steps. Every rank calls it with the same gathered batch and the same
+records, so every rank gets the same config.
 Trade-off: the first metered step is planned with FLOPs (right shape, unknown scale); from the
 second on, seconds (benchmarks/bench_verl.py: lockstep / bound after 3 metered steps).
 """
@@ -29,20 +35,26 @@ second on, seconds (benchmarks/bench_verl.py: lockstep / bound after 3 metered s
 from __future__ import annotations
 
 import time
-from typing import Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ..cost.meter import CostMeter
 from ..cost.models import CostModel, FlopsCost, TokenCost
+from ..errors import PlanError
 from ..types import Micro
 
-__all__ = ["STATE", "current_cost", "set_model", "wrap_engine", "unwrap_engines", "effective_lengths", "FALLBACK"]
+if TYPE_CHECKING:
+    from ..batch import Batch
+    from ..config import PlanConfig
+
+__all__ = ["STATE", "current_cost", "planning_config", "set_model", "wrap_engine", "unwrap_engines", "effective_lengths", "FALLBACK"]
 
 #: with no cost, no records and no model config: tokens plus 256 tokens' worth per micro-batch.
 FALLBACK = TokenCost(per_micro=256.0)
 STATE: dict[str, Any] = {"cost": None, "prior": None, "meter": None, "metering": True, "forward_only": False,
-                         "tree_records": 0}  # records of tree micro-batches since reset
+                         "training": False, "tree_records": 0}  # records of tree micro-batches since reset
 _WRAPPED: list[tuple[Any, str, Any]] = []
 
 
@@ -68,6 +80,22 @@ def current_cost() -> CostModel:
     return FALLBACK
 
 
+def planning_config(config: PlanConfig, batch: Batch) -> PlanConfig:
+    """``config`` with the cost to plan this balancing with (:func:`current_cost`); inside a metered
+    training pass, the meter's :meth:`~microplan.CostMeter.explore_config` instead — in its warm-up
+    steps possibly a lower ``max_tokens_per_micro`` (a probe), so the records tell a dense kernel
+    from a varlen one. ``batch`` is the batch the plan is made of (every rank's, identical on every
+    rank, as the meter is: every rank gets the same config). A batch the unexplored config cannot
+    plan gets the plain config (the planner then raises its own error, on every rank alike)."""
+    meter = STATE["meter"]
+    if STATE["cost"] is not None or meter is None or not STATE["training"]:
+        return replace(config, cost=current_cost())
+    try:
+        return meter.explore_config(config, batch)
+    except PlanError:
+        return replace(config, cost=meter.cost())
+
+
 def wrap_engine(cls: Any) -> None:
     """Meter ``cls.forward_backward_batch`` (a verl engine class) in this process; idempotent."""
     if any(c is cls for c, _, _ in _WRAPPED):
@@ -80,9 +108,10 @@ def wrap_engine(cls: Any) -> None:
         try:
             if forward_only or not STATE["metering"] or STATE["meter"] is None:
                 return original(self, data, loss_function, forward_only=forward_only)
+            STATE["training"] = True  # this pass's balancing may explore (planning_config)
             return _metered(self, original, data, loss_function)
         finally:
-            STATE["forward_only"] = False
+            STATE["forward_only"] = STATE["training"] = False
     _WRAPPED.append((cls, "forward_backward_batch", original))
     cls.forward_backward_batch = forward_backward_batch
 

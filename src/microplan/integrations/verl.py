@@ -66,7 +66,7 @@ from ..planner import build_plan
 from ..stages.refine import refine_bins
 from ._verl_loss import VERL_LOSS_MODES, VerlLossWeights, loss_weights
 from . import _verl_tree
-from ._verl_meter import current_cost, effective_lengths as _effective_lengths, reset, unwrap_engines, wrap_engine
+from ._verl_meter import effective_lengths as _effective_lengths, planning_config, reset, unwrap_engines, wrap_engine
 from ._verl_tree import TokenCounts, token_counts
 
 __all__ = ["get_seqlen_balanced_partitions", "rearrange_micro_batches", "prepare_dynamic_batch",
@@ -167,8 +167,7 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
         raise PlanError(f"plan_micro_batches(token_ids=...) needs force_group_size=1 (got {g}) and one token list per "
                         f"sample ({len(token_ids)} lists for {lens.size} samples); leave token_ids out otherwise.")
     config = dict(max_tokens_per_micro=int(max_token_len), align=int(num_batches_divided_by or 1),
-                  short_step=short, cost=cost if cost is not None else current_cost(), placement="local",
-                  share_prefixes=share)
+                  short_step=short, cost=cost, placement="local", share_prefixes=share)
     config.update(_memory_budget())
     units_min1 = np.maximum(units, 1)  # an all-padding row still occupies a micro-batch slot
     prefixes = None
@@ -180,13 +179,14 @@ def plan_micro_batches(seq_lens: Sequence[int] | np.ndarray, max_token_len: int,
         view = local_view({"seq_lens": units_min1}, group=dp_group)
         if prefixes is not None:
             view = _with_prefixes(view, prefixes, dp_group)
-        plan = plan_distributed(view, PlanConfig(dp_size=view.world_size, **config), group=dp_group,
-                                min_micro_count=min_num_micro_batch)
+        cfg = _with_cost(PlanConfig(dp_size=view.world_size, **config), view.pinned(), cost)
+        plan = plan_distributed(view, cfg, group=dp_group, min_micro_count=min_num_micro_batch)
         rank, offset = view.rank, view.offset
     else:
         pre = {} if prefixes is None else dict(prefix_parent=prefixes[0], shared_prefix_lens=prefixes[1])
-        plan = build_plan(Batch(units_min1, rank_of=np.zeros(units.size, dtype=np.int64), **pre),
-                          PlanConfig(dp_size=1, **config), min_micro_count=min_num_micro_batch)
+        local = Batch(units_min1, rank_of=np.zeros(units.size, dtype=np.int64), **pre)
+        plan = build_plan(local, _with_cost(PlanConfig(dp_size=1, **config), local, cost),
+                          min_micro_count=min_num_micro_batch)
         rank, offset = 0, 0
     if not plan.steps:
         return VerlLayout([], plan, rank, offset)
@@ -363,6 +363,14 @@ def _memory_budget() -> dict[str, Any]:
     from ._verl_meter import STATE as METER
     model, budget = _SETTINGS["memory"]
     return {"memory": model.forward_model() if METER.get("forward_only") else model, "max_bytes_per_micro": budget}
+
+
+def _with_cost(config: PlanConfig, batch: Batch, cost: CostModel | None) -> PlanConfig:
+    """``config`` with ``cost`` when given, else the drop-in's (``_verl_meter.planning_config``:
+    inside a metered training pass, the meter's exploration config of ``batch``)."""
+    if cost is not None:
+        return config
+    return planning_config(config, batch)
 
 
 def _synced(dp_group: Any, same_micro_num_in_dp: bool) -> bool:
