@@ -228,13 +228,14 @@ def _make_trainer(out: str, *, loss_type: str, dtype=torch.float64, spg: int = 4
     return trainer
 
 
-def _train(patch: bool, share: bool = False, spy=None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """(θ after, θ − θ₀) of one training run."""
+def _train(patch: bool, share: bool = False, spy=None, install_kw: dict | None = None,
+           **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(θ after, θ − θ₀) of one training run (``install_kw``: more arguments of ``mpt.install``)."""
     with tempfile.TemporaryDirectory() as out:
         trainer = _make_trainer(out, **kw)
         before = torch.cat([p.detach().flatten().clone() for p in trainer.model.parameters()])
         if patch:
-            mpt.install(trainer, share_prefixes=share)
+            mpt.install(trainer, share_prefixes=share, **(install_kw or {}))
         try:
             trainer.train()
         finally:
@@ -300,3 +301,79 @@ def test_shared_prompts_compute_each_prompt_once_per_micro_batch(monkeypatch):
     for packed, flat, prompts, completions in seen:
         assert packed <= prompts + completions  # each distinct prompt once (completions may share too)
     assert sum(s[0] for s in seen) < 0.8 * sum(s[1] for s in seen)
+
+
+# -- a memory budget (issue 28, item 5) --------------------------------------------------------------
+
+_MEM = mp.MemoryModel(per_token=1.0, per_sample_sq=0.01, per_micro=5.0, margin=0.1)
+
+
+def _chunk_bytes(c: dict) -> int:
+    """The padded chunk's predicted bytes with the margin, from its tensors (rows x prompt + completion width)."""
+    n, w = c["completion_ids"].shape[0], c["prompt_ids"].shape[1] + c["completion_ids"].shape[1]
+    return int(np.ceil((n * w + 0.01 * n * w * w + 5.0) * 1.1))
+
+
+def _split_with(loss_type: str, budget: int | None, batch: dict, k: int = 4) -> list[dict]:
+    class Trainer:
+        pass
+    Trainer.loss_type = loss_type
+    mpt.install(Trainer(), **({} if budget is None else dict(memory=_MEM, max_bytes_per_micro=budget)))
+    try:
+        return mpt.split_tensor_dict(batch, k)
+    finally:
+        mpt.uninstall()
+
+
+def test_a_memory_budget_keeps_every_chunk_under_its_bytes():
+    """dapo (any non-empty chunks): the token-balanced split spreads the four long completions over
+    the four chunks, each then padded to its long row; under a budget the long rows share chunks
+    and every chunk's padded batch fits. A budget the default split meets changes nothing; the
+    row-count losses (grpo) cannot re-cut their way under it and say so."""
+    batch = _generation_batch()
+    default = _split_with("dapo", None, batch)
+    worst = max(_chunk_bytes(c) for c in default)
+    budget = worst // 2
+    ours = _split_with("dapo", budget, batch)
+    assert len(ours) == 4 and all(c["advantages"].numel() > 0 for c in ours)
+    assert sorted(torch.cat([c["advantages"] for c in ours]).tolist()) == sorted(batch["advantages"].tolist())
+    assert max(_chunk_bytes(c) for c in ours) <= budget < worst
+    same = _split_with("dapo", worst, batch)  # already fits: the token-balanced split, untouched
+    assert all(torch.equal(a["advantages"], b["advantages"]) for a, b in zip(same, default))
+    with pytest.raises(mp.PlanError, match=r"max_bytes_per_micro=\d.*rows per chunk"):
+        _split_with("grpo", budget, batch)
+    grpo_worst = max(_chunk_bytes(c) for c in _split_with("grpo", None, batch))
+    assert len(_split_with("grpo", grpo_worst, batch)) == 4
+    with pytest.raises(mp.PlanError, match="steps_per_generation"):
+        _split_with("dapo", 60, batch)  # not even one long row with one short row per other chunk fits
+
+
+def test_install_validates_the_memory_budget():
+    class Trainer:
+        loss_type = "dapo"
+    with pytest.raises(mp.PlanError, match="max_bytes_per_micro"):
+        mpt.install(Trainer(), memory=_MEM)
+    with pytest.raises(mp.PlanError, match="prefix-tree"):
+        mpt.install(Trainer(), share_prefixes=True, memory=_MEM, max_bytes_per_micro=10 ** 6)
+    assert not mpt.installed()
+
+
+def test_a_real_grpo_step_under_a_memory_budget_gives_trls_update(monkeypatch):
+    """A real GRPOTrainer (dapo, one generation feeding two optimizer steps): with a budget under
+    the token-balanced split's fullest chunk (56 bytes at 1 byte per padded token), the first
+    optimizer step's chunks are re-cut (rows stay in their step) and every chunk fits; the update
+    still equals TRL's own."""
+    from microplan.integrations import _trl_memory as tm
+    seen, fit = [], tm.fit_budget
+
+    def spy(parts, widths, prompt_width, rule, model, budget):
+        out = fit(parts, widths, prompt_width, rule, model, budget)
+        size = lambda ps: max(tm.padded_bytes(model, p.size, prompt_width + int(widths[p].max())) for p in ps)  # noqa: E731
+        seen.append((size(parts), size(out)))
+        return out
+    monkeypatch.setattr(tm, "fit_budget", spy)
+    mem = dict(memory=mp.MemoryModel(per_token=1.0, margin=0.0), max_bytes_per_micro=48)
+    _, theirs = _train(False, loss_type="dapo")
+    _, ours = _train(True, loss_type="dapo", install_kw=mem)
+    assert seen and any(before > 48 for before, _ in seen) and all(after <= 48 for _, after in seen), seen
+    assert _rel(ours, theirs) < 1e-7, _rel(ours, theirs)

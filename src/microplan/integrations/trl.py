@@ -7,7 +7,7 @@ module-level function, ``trl.trainer.grpo_trainer.split_tensor_dict(tensor_dict,
 ``_get_per_token_logps_and_entropies``. (OpenRLHF's micro-batching lives inside its replay buffer
 and needs flash-attn and deepspeed; SkyRL is not installable for this Python.)
 
-What ``install(trainer, share_prefixes=False)`` does:
+What ``install(trainer, share_prefixes=False, memory=None, max_bytes_per_micro=None)`` does:
 
 1. replaces the split with :func:`split_tensor_dict`: rows move only among the chunks of one
    optimizer step (``_trl_split.windows``: one generation feeding two optimizer steps keeps each
@@ -21,7 +21,10 @@ What ``install(trainer, share_prefixes=False)`` does:
    prefix-tree rows
    (:mod:`._trl_shared`): each distinct prompt — and completion prefix — once per micro-batch in
    the training forward and the old / reference log-prob passes. TRL's losses, KL, importance
-   sampling and masks consume the same ``[B, T]`` tensors as before.
+   sampling and masks consume the same ``[B, T]`` tensors as before;
+3. with ``memory=`` / ``max_bytes_per_micro=``: the split also keeps every chunk's padded batch
+   under the predicted-bytes budget (:mod:`._trl_memory`). TRL fixes the chunk count, so the
+   budget picks which rows share a chunk (long completions together), never how many chunks.
 
 Every rule is exact: the parameters after the optimizer steps equal TRL's own in float64 up to
 rounding (tests/test_integration_trl.py, every loss type, with and without sharing). Rows that
@@ -49,7 +52,7 @@ _COMPLETION_KEYS = ("completion_ids", "completion_mask", "old_per_token_logps", 
                     "sampling_per_token_logps", "importance_sampling_ratio", "tool_mask")
 _PROMPT_KEYS = ("prompt_ids", "prompt_mask")
 _PATCHED: list[tuple[Any, str, Any]] = []
-_STATE: dict[str, Any] = {"trainer": None, "rule": "free", "share": False}
+_STATE: dict[str, Any] = {"trainer": None, "rule": "free", "share": False, "memory": None}
 
 
 def split_tensor_dict(tensor_dict: dict[str, Any], num_chunks: int) -> list[dict[str, Any]]:
@@ -78,8 +81,27 @@ def split_tensor_dict(tensor_dict: dict[str, Any], num_chunks: int) -> list[dict
         first = win.start * size
         sel = np.arange(first, win.stop * size, dtype=np.int64)
         parts = partition(lens[sel], groups[sel], prompt[sel], [size] * len(win), rule, share)
+        if _STATE["memory"] is not None:
+            parts = _fit_memory(tensor_dict, sel, parts, rule, trim)
         out.extend(_take(tensor_dict, sel[p], trim) for p in parts)
     return out
+
+
+def _fit_memory(d: dict[str, Any], sel: np.ndarray, parts: list[np.ndarray], rule: str, trim: bool) -> list[np.ndarray]:
+    """``parts`` re-cut so every chunk's padded batch fits the installed budget (``_trl_memory``)."""
+    from ._trl_memory import fit_budget
+    model, budget = _STATE["memory"]
+    prompt, cm = d.get("prompt_ids"), d.get("completion_mask")
+    prompt_width = 0 if prompt is None or isinstance(prompt, list) else int(prompt.shape[1])
+    if cm is None or isinstance(cm, list) or cm.ndim != 2:
+        widths = np.ones(sel.size, dtype=np.int64)
+    elif trim:  # each row's last real completion column (the chunk is trimmed to its longest)
+        m = (cm[sel].cpu().numpy() != 0)
+        last = np.where(m.any(axis=1), m.shape[1] - np.argmax(m[:, ::-1], axis=1), 1)
+        widths = np.maximum(last, 1).astype(np.int64)
+    else:
+        widths = np.full(sel.size, int(cm.shape[1]), dtype=np.int64)
+    return fit_budget(parts, widths, prompt_width, rule, model, budget)
 
 
 def _rows(d: dict[str, Any]) -> int:
@@ -156,13 +178,18 @@ def rule_of(trainer: Any) -> str:
     return "keep" if per_chunk_stats else RULES[loss_type]
 
 
-def install(trainer: Any = None, *, share_prefixes: bool = False) -> None:
+def install(trainer: Any = None, *, share_prefixes: bool = False, memory: Any = None,
+            max_bytes_per_micro: int | None = None) -> None:
     """Route TRL's GRPO gradient-accumulation split (and, with ``share_prefixes``, its model passes) through microplan.
 
     ``trainer``: the ``GRPOTrainer``; its ``loss_type`` picks the exact rule (:func:`rule_of`), its
     step counter and accumulation steps the optimizer-step windows. Without a trainer the split
     is patched with one window and the ``free`` rule (exact for ``dapo``/``cispo``/``vespo`` when
     one generation feeds one optimizer step). ``share_prefixes=True`` needs the trainer.
+    ``memory`` / ``max_bytes_per_micro``: a :class:`microplan.MemoryModel` of the training pass and
+    the bytes one GPU may add per chunk (both or neither): every chunk's padded batch is predicted
+    under the budget, or the split raises a PlanError naming the fix (``_trl_memory``). Not with
+    ``share_prefixes=True`` (the chunks then run as prefix tries, which this budget does not price).
     """
     try:
         import trl.trainer.grpo_trainer as grpo
@@ -172,16 +199,29 @@ def install(trainer: Any = None, *, share_prefixes: bool = False) -> None:
         raise PlanError(f"install(share_prefixes={share_prefixes!r}) must be True or False.")
     if share_prefixes and trainer is None:
         raise PlanError("install(share_prefixes=True) needs the GRPOTrainer: install(trainer, share_prefixes=True).")
+    budget = _memory_budget(memory, max_bytes_per_micro, share_prefixes)
     rule = rule_of(trainer) if trainer is not None else "free"
     if _PATCHED:
         uninstall()
-    _STATE.update(trainer=trainer, rule=rule, share=share_prefixes)
+    _STATE.update(trainer=trainer, rule=rule, share=share_prefixes, memory=budget)
     import trl.trainer.utils as tu
     for mod in (grpo, tu):
         _PATCHED.append((mod, "split_tensor_dict", mod.split_tensor_dict))
         mod.split_tensor_dict = split_tensor_dict
     if share_prefixes:
         _share(trainer)
+
+
+def _memory_budget(memory: Any, max_bytes_per_micro: Any, share: bool) -> tuple[Any, int] | None:
+    """``(model, budget)`` of ``install(memory=..., max_bytes_per_micro=...)``, validated as PlanConfig validates them."""
+    if memory is None and max_bytes_per_micro is None:
+        return None
+    from ..config import PlanConfig
+    cfg = PlanConfig(dp_size=1, memory=memory, max_bytes_per_micro=max_bytes_per_micro)
+    if share:
+        raise PlanError("install(share_prefixes=True, memory=...): the shared path runs each chunk as a prefix-tree "
+                        "row, whose bytes the TRL budget does not price yet; pass one of them.")
+    return cfg.memory, int(cfg.max_bytes_per_micro)
 
 
 def _share(trainer: Any) -> None:
@@ -219,7 +259,7 @@ def uninstall() -> None:
             obj.__dict__.pop(name, None)
         else:
             setattr(obj, name, original)
-    _STATE.update(trainer=None, rule="free", share=False)
+    _STATE.update(trainer=None, rule="free", share=False, memory=None)
 
 
 def installed() -> bool:
