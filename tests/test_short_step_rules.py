@@ -48,15 +48,26 @@ def test_priced_dynamic_cp_fills_the_plane_without_placeholders(short_step):
     assert sorted(m.cp_size for row in plan.steps[0].micros for m in row) == [1, 1, 2, 2]
 
 
+def test_priced_dynamic_cp_pad_takes_the_equally_fast_layout_without_placeholders():
+    """The same step under "pad": its mixed-width layout (a 2-wide placeholder group) is predicted
+    exactly as fast as the plane filled by a 2-wide group for one sample, and a tie used to keep the
+    placeholder layout, so "pad" and "drop"/"error" disagreed where "pad" needed no placeholder."""
+    base = dict(dp_size=4, max_tokens_per_micro=100, context_parallel=mp.ContextParallel(max_size=2), cost=PRICED)
+    pad = mp.plan(mp.Batch([1, 1, 1]), mp.PlanConfig(**base))
+    pad.validate()
+    assert pad.steps[0].num_placeholders == 0
+    assert _layout(pad) == _layout(mp.plan(mp.Batch([1, 1, 1]), mp.PlanConfig(**base, short_step="error")))
+
+
 def test_priced_dynamic_cp_pad_runs_placeholders_last():
-    """Under "pad" the same step keeps its faster placeholder layout, the placeholders after the real
-    micro-batches: on the highest ranks of the slot."""
-    cfg = mp.PlanConfig(dp_size=4, max_tokens_per_micro=100, context_parallel=mp.ContextParallel(max_size=2),
+    """Two samples on an 8-GPU plane with groups of at most 2: "pad" needs placeholders, and they
+    run after the real micro-batches: on the highest ranks of the slot."""
+    cfg = mp.PlanConfig(dp_size=8, max_tokens_per_micro=100, context_parallel=mp.ContextParallel(max_size=2),
                         cost=PRICED)
-    plan = mp.plan(mp.Batch([1, 1, 1]), cfg)
+    plan = mp.plan(mp.Batch([1, 1]), cfg)
     plan.validate()
     ph = [row[0].is_placeholder for row in plan.steps[0].micros]
-    assert ph == sorted(ph)  # False (real) first
+    assert any(ph) and ph == sorted(ph)  # False (real) first
 
 
 def test_sharing_dynamic_cp_error_plans_what_pad_plans():

@@ -296,7 +296,7 @@ def _best(keep: np.ndarray, units: CPUnits, deg: np.ndarray, ctx: PlanContext, f
     tried += [u for w in _uniform_widths(dk, cfg) if (u := _uniform(w, units, keep, binner, ctx)) is not None]
     best = None
     for cand in tried:
-        if (not full or not cand.placeholders) and (best is None or cand.time < best.time * (1 - 1e-9)):
+        if (not full or not cand.placeholders) and (best is None or _better(cand, best)):
             best = cand
     if best is None:
         return None
@@ -309,6 +309,15 @@ def _best(keep: np.ndarray, units: CPUnits, deg: np.ndarray, ctx: PlanContext, f
     full_bins = int(np.count_nonzero(np.bincount(best.bin_of, minlength=nb)))
     return Fit(keep, best.bin_of, best.K, choice, full_bins, width=best.width, grid=best.grid, time=best.time,
                short=full_bins < nb)
+
+
+def _better(cand: _Candidate, best: _Candidate) -> bool:
+    """``cand`` replaces ``best`` when strictly faster, or as fast (within float noise) with fewer
+    placeholders: under ``short_step="pad"`` a tie never keeps an empty group that another layout
+    of the same time does without, so ``pad`` agrees with ``drop``/``error`` whenever it can."""
+    if cand.time < best.time * (1 - 1e-9):
+        return True
+    return cand.placeholders < best.placeholders and cand.time <= best.time * (1 + 1e-9)
 
 
 def _choice(tried: list[_Candidate], best: _Candidate, k_lb: int) -> KChoice:
