@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .trie import _distinct, _i64, _links, _unique_inverse, set_tries
+from .trie_sets import _distinct, _i64, _links, _unique_inverse, set_tries
 
 __all__ = ["TreeCut", "cut_trees"]
 
