@@ -107,11 +107,9 @@ def test_the_graph_sees_every_kind_of_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-#: Circles left to the engineers rewriting those modules in parallel (issue 30 items 3 and 4:
-#: trie.py re-exports treecut's cut, which reads trie's internals; the torch packing, CP shard,
-#: loss and padded modules import each other). Remove an entry when its circle is gone — the
-#: second test below fails until then, so this list can only shrink.
-KNOWN = [["microplan.torch.cp_shard", "microplan.torch.loss", "microplan.torch.packing", "microplan.torch.padded"]]
+#: Circles allowed to remain: none. (The second test below fails when a listed circle is gone, so
+#: the list can only shrink; it is empty now, and must stay so.)
+KNOWN: list[list[str]] = []
 
 
 def test_no_import_circles():

@@ -56,7 +56,7 @@ def chunked_token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, packed: P
         dtype: dtype of logits and log-probs; default: the hidden dtype promoted to at least float32.
 
     Entry t is 0 where t starts a sample. Token t is predicted by the hidden state of its
-    predecessor (:func:`~microplan.torch.loss.predecessor_index`: t − 1, or the parent segment's
+    predecessor (:func:`~microplan.torch.row.predecessor_index`: t − 1, or the parent segment's
     last token in a prefix-shared row), as in :func:`token_logprobs`; a CP shard gives its
     per-sample layout ``[S]`` as :func:`token_logprobs` does. Differentiable (slices recomputed
     in backward).

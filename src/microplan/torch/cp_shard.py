@@ -39,19 +39,19 @@ most ⌈U/c⌉ rows. Host work O(U + Σ L + Σ key entries) per shard.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from ..cp_cut import zigzag_owner
 from ..errors import PlanError
+from .row import PackedRow, predecessor_index
 from .tree import TreeLayout
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .packing import PackedMicro
-
 __all__ = ["CPLayout", "cp_shard"]
+
+_Row = TypeVar("_Row", bound=PackedRow)   # a PackedMicro: the shard has the row's type
 
 
 @dataclass(frozen=True, eq=False)
@@ -93,7 +93,7 @@ class CPLayout:
                        predicted=mv(self.predicted))
 
 
-def _row_structure(p: PackedMicro) -> tuple[list[np.ndarray], list[np.ndarray]]:
+def _row_structure(p: PackedRow) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(each segment's path rows, each sample's rows in position order) of a full row."""
     off = np.concatenate([[0], np.cumsum(p.seq_lens)]).astype(np.int64)
     if p.tree is not None:
@@ -106,7 +106,7 @@ def _row_structure(p: PackedMicro) -> tuple[list[np.ndarray], list[np.ndarray]]:
     return paths, samples
 
 
-def _sample_weights(p: PackedMicro, samples: list[np.ndarray]) -> list[torch.Tensor]:
+def _sample_weights(p: PackedRow, samples: list[np.ndarray]) -> list[torch.Tensor]:
     """Each sample's label-aligned weights over its own tokens, in the full row (float64 when
     the plan's weights are, else the row's dtype)."""
     if p.tree is not None:
@@ -144,7 +144,7 @@ def _pieces(rows: np.ndarray, seg_lens: tuple[int, ...], paths: list[np.ndarray]
     return starts, ends, keys, cu_k
 
 
-def _targets(p: PackedMicro, samples: list[np.ndarray], owner: np.ndarray, local: np.ndarray,
+def _targets(p: PackedRow, samples: list[np.ndarray], owner: np.ndarray, local: np.ndarray,
              cp_rank: int) -> tuple[list[torch.Tensor], ...]:
     """Per sample, the entries this member scores (module note, 2): (local logit rows, positions
     in the sample, weights, full-row rows of the target tokens)."""
@@ -158,7 +158,7 @@ def _targets(p: PackedMicro, samples: list[np.ndarray], owner: np.ndarray, local
     return out
 
 
-def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> PackedMicro:
+def cp_shard(p: _Row, cp_rank: int, cp_size: int | None = None) -> _Row:
     """This member's share of the packed row ``p`` (see the module note); ``p`` itself when c = 1."""
     c = p.cp_size if cp_size is None else cp_size
     if p.cp is not None:
@@ -170,7 +170,6 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
                         "micro.cp_rank (dynamic CP) or this process's position in its CP group (fixed CP).")
     if c == 1:
         return p
-    from .loss import predecessor_index
     U = p.num_tokens
     owner = zigzag_owner(np.asarray(p.seq_lens, dtype=np.int64), c)
     paths, samples = _row_structure(p)
@@ -200,19 +199,19 @@ def cp_shard(p: PackedMicro, cp_rank: int, cp_size: int | None = None) -> Packed
     mask = torch.zeros(rows.size, dtype=torch.int64).index_add_(0, flat, scores_loss) > 0
     dev = p.input_ids.device
     take = lambda x: x.index_select(0, cp.rows.to(x.device))  # noqa: E731
-    from .packing import PackedMicro
-    shard = PackedMicro(
-        input_ids=take(p.input_ids), position_ids=take(p.position_ids),
+    shard = replace(   # a PackedMicro (packing.py builds the row and calls this; row.py says why not by name)
+        p, input_ids=take(p.input_ids), position_ids=take(p.position_ids),
         cu_seqlens=torch.from_numpy(np.concatenate([[0], ends]).astype(np.int32)),
         max_seqlen=int((ends - starts).max()),
         loss_weights=torch.zeros(rows.size, dtype=torch.float64).index_add_(0, flat, w64).to(wdt),
         loss_mask=mask, sample_indices=p.sample_indices, seq_lens=tuple(int(x) for x in ends - starts),
         is_placeholder=p.is_placeholder, cp_size=c, sample_lens=tuple(int(r.numel()) for r in s_rows),
-        pad_to_multiple_of=p.pad_to_multiple_of, pad_row_to_multiple_of=p.pad_row_to_multiple_of, tree=tree, cp=cp)
+        pad_to_multiple_of=p.pad_to_multiple_of, pad_row_to_multiple_of=p.pad_row_to_multiple_of, row_pad=0,
+        tree=tree, cp=cp)
     return shard if dev.type == "cpu" else shard.to(dev)
 
 
-def check_shard(p: PackedMicro) -> None:
+def check_shard(p: PackedRow) -> None:
     """What a shard promises beyond a tree row's checks; PlanError naming the first violation."""
     cp = p.cp
     rows = cp.rows.cpu()

@@ -28,6 +28,7 @@ import torch
 from ..errors import PlanError
 from .packing import PackedMicro
 from .padded import PaddedMicro
+from .row import predecessor_index
 
 Packed = PackedMicro | PaddedMicro
 
@@ -89,18 +90,6 @@ def prediction_table(packed: PackedMicro, device: torch.device | str | None = No
         return packed.tree.flat_rows.to(device), cp.target_ids.to(device), cp.predicted.to(device)  # type: ignore[union-attr]
     prev = predecessor_index(packed, device)
     return prev.clamp(min=0), packed.input_ids.to(device), prev >= 0
-
-
-def predecessor_index(packed: PackedMicro, device: torch.device | str | None = None) -> torch.Tensor:
-    """``[T]`` int64: the row whose logits predict token t, -1 where t starts a sample. A flat row:
-    t − 1 within a sample; a prefix-shared row: the last token of the parent segment for the first
-    token of a branch (``tree.prev_index``)."""
-    tree = getattr(packed, "tree", None)
-    if tree is not None:
-        return tree.prev_index.to(device)
-    pred = packed.predicted().to(device)
-    prev = torch.arange(-1, pred.shape[-1] - 1, device=pred.device)
-    return torch.where(pred, prev, torch.full_like(prev, -1))
 
 
 def _continues(packed: Packed, device: torch.device) -> torch.Tensor:

@@ -45,6 +45,8 @@ from ..errors import PlanError
 from ..footprint import round_up
 from ..types import Micro
 from .cp_shard import CPLayout, check_shard, cp_shard
+from .padded import PaddedMicro, pack_padded_micro, pack_padded_values
+from .sample_inputs import _entry, _mask_tensor, _token_tensor, _value_tensor
 from .tree import TreeLayout, check_tree, tree_layout
 
 __all__ = ["PackedMicro", "pack_micro", "pack_values"]
@@ -325,53 +327,6 @@ class PackedMicro:
             raise PlanError("a pad token carries loss: loss_mask must be False on padding.")
 
 
-def _entry(source: Any, i: int, what: str) -> Any:
-    try:
-        return source[i]
-    except (KeyError, IndexError):
-        kind = "dict" if isinstance(source, Mapping) else f"sequence of length {len(source)}"
-        raise PlanError(f"{what} ({kind}) has no entry for global sample {i}; index it by global sample "
-                        "index (Micro.indices), as Batch numbered the samples.") from None
-
-
-def _as_1d(x: Any, i: int, what: str, *, length: int) -> torch.Tensor:
-    t = x if isinstance(x, torch.Tensor) else torch.as_tensor(np.asarray(x))
-    if t.dim() != 1:
-        raise PlanError(f"{what}[{i}] must be 1-D, got shape {tuple(t.shape)}.")
-    if t.numel() != length:
-        raise PlanError(f"{what}[{i}] has {t.numel()} tokens but the plan packs sample {i} with seq_len={length}; "
-                        "the Batch's seq_lens must be the lengths of the token tensors you pack.")
-    return t.detach().cpu()
-
-
-def _token_tensor(x: Any, i: int, length: int) -> torch.Tensor:
-    t = _as_1d(x, i, "token_ids", length=length)
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise PlanError(f"token_ids[{i}] has dtype {t.dtype}; token ids must be integers.")
-    return t.to(torch.int64)
-
-
-def _mask_tensor(masks: Any, i: int, length: int, loss_tokens: int) -> torch.Tensor:
-    if masks is None:
-        m = torch.zeros(length, dtype=torch.bool)
-        if loss_tokens:
-            m[length - loss_tokens:] = True
-    else:
-        raw = _as_1d(_entry(masks, i, "loss_masks"), i, "loss_masks", length=length)
-        if raw.dtype != torch.bool and not bool(((raw == 0) | (raw == 1)).all()):
-            vals = sorted(set(raw.tolist()))[:5]
-            raise PlanError(f"loss_masks[{i}] must hold only 0/1 (or bools), got values {vals}.")
-        m = raw.to(torch.bool)
-        if int(m.sum()) != loss_tokens:
-            raise PlanError(f"loss_masks[{i}] marks {int(m.sum())} tokens but the Batch says loss_tokens={loss_tokens} "
-                            f"for sample {i}; the weights are only exact if Batch.loss_tokens is each mask's sum.")
-    if bool(m[0]):
-        raise PlanError(f"sample {i}: the loss mask marks its first token, which a causal LM never predicts "
-                        "(logits at position t predict token t+1 of the same sample). Give samples a prompt "
-                        "(Batch(prompt_lens=...) with prompt_lens >= 1) or keep loss_tokens <= seq_len - 1.")
-    return m
-
-
 def _placeholder(micro: Micro, pad_token_id: int, weight_dtype: torch.dtype, mult: int = 1,
                  row: int = 1) -> PackedMicro:
     P = int(round_up(round_up(1, mult), row))  # one dummy token, padded like a sample and a row
@@ -413,7 +368,6 @@ def pack_micro(micro: Micro, token_ids: Sequence[Any] | Mapping[int, Any], *,
         mult, row = (1, 1) if fp is None else (fp.padding.sample_multiple, fp.padding.row_multiple)
         return _pack_tree(micro, token_ids, loss_masks, weight_dtype, mult=mult, row=row, pad_token_id=pad_token_id)
     if fp is not None and fp.padded:
-        from .padded import pack_padded_micro  # the [n, W] layouts
         return pack_padded_micro(micro, token_ids, loss_masks=loss_masks, pad_token_id=pad_token_id,
                                  weight_dtype=weight_dtype)
     mult, row = (1, 1) if fp is None else (fp.padding.sample_multiple, fp.padding.row_multiple)
@@ -468,18 +422,6 @@ def _pack_tree(micro: Micro, token_ids: Any, loss_masks: Any, weight_dtype: torc
     return packed
 
 
-def _value_tensor(values: Sequence[Any] | Mapping[int, Any], i: int, n: int) -> torch.Tensor:
-    """``values[i]`` as a host tensor of sample i's ``n`` tokens (a scalar is broadcast)."""
-    v = _entry(values, i, "values")
-    t = v.detach().cpu() if isinstance(v, torch.Tensor) else torch.as_tensor(np.asarray(v))
-    if t.dim() == 0:
-        return t.expand(n)
-    if tuple(t.shape) != (n,):
-        raise PlanError(f"values[{i}] has shape {tuple(t.shape)}; give a scalar or a 1-D tensor of the "
-                        f"sample's {n} tokens.")
-    return t
-
-
 def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], *, fill: float = 0.0,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
     """Pack per-sample values into the micro-batch's ``[T]`` layout (old log-probs, advantages...).
@@ -492,7 +434,6 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
     shard (:meth:`PackedMicro.cp_shard`) its per-sample layout: each sample's entries it scores.
     """
     if not isinstance(packed, PackedMicro):
-        from .padded import PaddedMicro, pack_padded_values
         if isinstance(packed, PaddedMicro):
             return pack_padded_values(packed, values, fill=fill, dtype=dtype)
         raise PlanError(f"pack_values takes a PackedMicro or PaddedMicro, got {type(packed).__name__}.")
@@ -517,6 +458,3 @@ def pack_values(packed: PackedMicro, values: Sequence[Any] | Mapping[int, Any], 
         parts.append(torch.full((packed.row_pad,), fill, dtype=parts[-1].dtype))
     out = torch.cat(parts)
     return out.to(dtype) if dtype is not None else out
-
-
-from .padded import PaddedMicro  # noqa: E402  (last: padded.py imports this module's helpers)

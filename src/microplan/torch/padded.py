@@ -30,7 +30,7 @@ import torch
 from ..errors import PlanError
 from ..footprint import round_up
 from ..types import Micro
-from .packing import _entry, _mask_tensor, _token_tensor, _value_tensor
+from .sample_inputs import _entry, _mask_tensor, _token_tensor, _value_tensor
 
 __all__ = ["PaddedMicro", "pack_padded_micro", "pack_padded_values"]
 
