@@ -9,8 +9,6 @@ whose range fits 16 bits (lengths up to 64k, bin ids of up to 65,536 micro-batch
 own stable radix sort instead, on the offsets cast to uint16/uint8: O(n), no composite key. Falls
 back to numpy's stable argsort when the keys would not fit 63 bits, for NaNs, small arrays
 (numpy's timsort wins below ~1k ints / ~4k floats, and on nearly sorted data) and other dtypes.
-Measured (16,384 GRPO lengths, this VM): ints 1.0 ms -> 0.2 ms (composite key) -> 0.12 ms (radix,
-range < 2^16), floats 1.4 ms -> 0.55 ms.
 """
 
 from __future__ import annotations

@@ -14,9 +14,7 @@ JSON reader that lost the types would see it), so 1 and "1" never silently form 
 Cost: O(n) numpy work, no Python loop per sample: int ids are coded with one stable sort, or
 taken as they are when already dense codes in first-appearance order (``np.repeat(arange(P),
 G)``), and an int id array is listed only when ``prompt_ids``/``rollout_ids`` is read; string ids
-take one C-level dict pass. Measured (16,384 GRPO samples with int prompt and rollout ids, CPU
-time, shared VM at load ~4, same process): 0.5 ms, 2.4 ms with ``np.unique`` and eager lists
-(~13 ms with the earlier per-sample loop). An empty Batch is allowed (a rank's local shard may be empty); planning one is
+take one C-level dict pass. An empty Batch is allowed (a rank's local shard may be empty); planning one is
 a PlanError.
 """
 

@@ -18,9 +18,7 @@ token however short it is, and each branch is split evenly.
 Σ (position+1) over its tokens): the planner can use it for the per-GPU balance of a CP group.
 Numpy only (the torch layer's ``PackedMicro.cp_shard`` uses this cut).
 
-Measured (``benchmarks/bench_tree_cp.py``): on every tree micro-batch of the long step-wise
-family (histories 16k–64k, up to 14 segments, 3 seeds) the per-member attention cost max/mean
-is ≤ 1.0002 at c = 2 and 4, owned tokens within one. Per-segment chunks cost nothing extra:
+``benchmarks/bench_tree_cp.py`` measures the per-member balance. Per-segment chunks cost nothing extra:
 ``torch/cp_shard.py`` scores each owned row's successors wherever they live, so a member
 computes only its ⌈U/c⌉ rows whatever the number of chunk boundaries.
 """

@@ -23,10 +23,10 @@ resource with their own cap (``max_vision_tokens_per_micro``) and cost (``Vision
 A row multiple is the same constraint as a lower cap for any additive packer:
 ⌈S/r⌉·r ≤ cap ⟺ S ≤ ⌊cap/r⌋·r, so varlen layouts reuse the planner's packers on padded sample
 lengths under :func:`packing_cap`; padded layouts, whose footprint is not a sum over samples,
-have their own stage (``stages/padded.py``). Prefix-shared micro-batches (``stages/share.py``)
-occupy their trie's unique tokens and are priced from it directly. Trade-off (benchmarks/bench_layouts.py):
-padded layouts waste ~1–3 % tokens on long-tailed steps at the K the planner picks, for a
-lockstep/LB some percent above varlen's.
+have their own stage (``stages/padded.py``). Prefix-shared micro-batches (``stages/atoms.py``)
+occupy their trie's unique tokens and are priced from it directly. Trade-off: padded layouts
+pay for their padding in tokens and lockstep time on long-tailed steps
+(benchmarks/bench_layouts.py measures how much).
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Cutting a step's prefix trees into packing atoms: whole trees that fit, parts of larger ones.
 
-Design note. ``stages/share.py`` packs prefix trees as atoms; a tree over the limit is cut by a
+Design note. ``stages/atoms.py`` packs prefix trees as atoms; a tree over the limit is cut by a
 depth-first greedy (a subtree that fits the current part joins it, one that fits a fresh part
 starts one, a larger one is split at its own branches). Steps:
 
 1. Trees by pointer doubling over the forest (nearest member ancestor, the tree's root):
-   O(N log depth) numpy; a tree whose trie fits stays whole (one ``trie.set_tries`` call for
+   O(N log depth) numpy; a tree whose trie fits stays whole (one ``trie_sets.set_tries`` call for
    all trees, padded segments counted).
 2. Stars (a root and leaves hanging directly from it: GRPO groups; multiple 1) are cut in numpy
    lockstep over their children: a child covers min(s_c, H) of its tokens, H being how far the
@@ -18,11 +18,9 @@ starts one, a larger one is split at its own branches). Steps:
    implicitly (size L, or its padded path from a memo) until a later walk climbs above it, so
    a chain costs O(1) per sample instead of a walk to the root.
 
-Guarantees: the parts, and their order, of the exact-trial greedy (main's reference
-``trie.cut_trees``; tests/test_trie.py keeps it as :func:`ref_cut`), for every multiple: every
-part holds <= limit tokens unless it is one sample that alone exceeds it. Measured (busy 2-core
-VM): 16,384 GRPO samples at cap 32,768 (839 trees cut) ~16-30 ms; an append-only chain of 1,500
-~1-30 ms (the reference: a walk to the root per part, a dict copy per trial: quadratic).
+Guarantees: the parts, and their order, of the exact-trial greedy (tests/test_trie.py's
+reference :func:`ref_cut`: a walk to the root per part, a dict copy per trial, quadratic), for
+every multiple: every part holds <= limit tokens unless it is one sample that alone exceeds it.
 """
 
 from __future__ import annotations

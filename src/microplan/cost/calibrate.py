@@ -26,7 +26,7 @@ Design note:
 
 Guarantees: coefficients are ≥ 0 and optimal among nonnegative ones (for the chosen weighting);
 degenerate input is a :class:`PlanError` naming the row/field and what to measure instead.
-The exact enumeration costs ~0.5 ms for 1,000 rows (≤ 15 small lstsq solves).
+The exact enumeration costs ≤ 15 small lstsq solves.
 
 Trade-off (measured in the setting of ``tests/test_cost.py``: 100 rows of 1-3 micro-batches
 of 1-8 samples of 16 to 65,536 tokens, 2 % multiplicative timing noise, worst of 50 seeds):

@@ -26,7 +26,7 @@ gradients in backward). Per GPU, :func:`cp_micro_costs` prices it as::
   attention tiles, the zigzag's residual imbalance); ``split_overhead`` >= 0: fixed cost per GPU
   of a split micro-batch (the collective's launch and latency, the shard bookkeeping).
 Without a CP term (``cost.cp is None``) a split micro-batch costs ``body / c + per_micro``:
-perfect scaling, the model microplan planned with before this term existed.
+perfect scaling.
 
 Guarantees: this is the ONE formula every caller prices a CP micro-batch with (K choice,
 fixed and dynamic CP, stats, summary); every term is >= 0 and ``cost >= body / c + per_micro``,

@@ -17,7 +17,7 @@ CP numbers. Steps:
    shapes): the prior, said so in ``CPFit.note``.
 Guarantees: the result is a valid :class:`CPCost` (every term in range); the fit never explains
 the records worse than the prior does (the prior is a grid point). Cost: ~4,000 grid points ×
-records, vectorised (4,096 records: ~0.2 s, only when the meter refits).
+records, vectorised (only when the meter refits).
 """
 
 from __future__ import annotations

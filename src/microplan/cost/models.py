@@ -17,8 +17,7 @@ of lengths L_1..L_n packed into a row of T = Σ L tokens (``micro_features``)::
   micro-batch count by predicted time (``stages/kchoice.py``). A model with this term is a
   *dense* model: a micro-batch of two or more samples pays ``packed_quadratic·T²`` and no
   per-sample attention, while a lone sample needs no mask and runs the kernel's plain causal
-  path, priced by ``quadratic·L²`` (measured with transformers' sdpa on CPU: a lone 2,048-token
-  sample runs ~1.7x faster than a masked pack of the same length).
+  path, priced by ``quadratic·L²``.
 - ``per_micro``: fixed cost per micro-batch a rank runs (launches, FSDP gathers, sync).
 
 The planner reads a model through :func:`bin_costs` / :func:`row_costs` (from
@@ -29,7 +28,7 @@ tries; :meth:`micro_cost` (binding) is the same price for one micro-batch. Units
 
 Guarantees: coefficients are finite and >= 0 (validated with messages naming the field), and
 small enough that a micro-batch of up to 2**64 tokens costs at most 1e300 (``check_coefficient``:
-sums of ~1e8 such costs stay finite; FlopsCost(quadratic=1e307) used to plan with inf costs);
+sums of ~1e8 such costs stay finite);
 ``to_dict``/:func:`cost_from_dict` round-trip exactly, so plans serialise their cost model.
 Trade-off: a four-feature linear model cannot express everything a GPU does (kernel tile
 quantisation, communication overlap), but it can be fitted from a few dozen timed micro-batches

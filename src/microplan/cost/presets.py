@@ -25,9 +25,7 @@ Hedged default. When nothing is measured, the default should lose least over the
 range of truths. ``benchmarks/bench_cost_defaults.py`` plans with each candidate default and
 scores the plans under simulated truths with attention 1-3x slower per FLOP and a per-micro
 overhead of 0-5 % of a cap-full micro-batch; the candidate with the smallest worst-case loss is
-``hedged``. Measured (7B model, 4 families x dp 8/32 x 3 seeds, 25 truths): slowdown 2.25 with
-1,024 tokens per micro-batch has the smallest worst-case median regret, 2.45 % (worst step
-4.8 %), against 7.4 % (18.9 %) for pure FLOPs; 2.0 is a near tie (2.53 %). The per-micro default
+``hedged`` (slowdown 2.25, 1,024 tokens per micro-batch). The per-micro default
 is expressed in tokens of linear compute (``DEFAULT_PER_MICRO_TOKENS``), so it scales with the
 model like an FSDP all-gather does (bytes and FLOPs per token both grow with the parameter
 count): 1,024 tokens of a 7B model is ~0.1 s at 400 TFLOP/s, the intra-node FSDP figure.

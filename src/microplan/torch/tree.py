@@ -3,7 +3,7 @@
 Design note. A micro-batch planned with ``share_prefixes=True`` carries its trie
 (``Micro.tree``, :class:`microplan.prefix.PrefixTree`): segments ``[start, end)`` — runs that
 start only where paths branch — each continuing the path of a parent segment (at its end or
-inside it). :func:`pack_tree` lays the segments out in one row (parents first) and derives, on
+inside it). :func:`tree_layout` lays the segments out in one row (parents first) and derives, on
 the host:
 
 1. ``input_ids`` from the members' token ids, which must agree wherever their declared prefixes
