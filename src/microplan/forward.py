@@ -24,9 +24,9 @@ geometry or exactly the training one.
   layout (dp_size, context_parallel, pipeline stages) must match the training plan's. Samples
   the training plan dropped are dropped here too (they train in no step, so need no log-prob).
   A ``like`` plan made from another batch is refused (the batches' fingerprints differ).
-Trade-off (benchmarks/bench_planners.py, forward rows): the own geometry at 2/3/4× the cap runs
-1.5/2.5/3× fewer micro-batches per rank than training (median; K at its lower bound in every
-case, lockstep/LB ≤ 1.0006 median); ``like`` buys bit-identity at the training K.
+Trade-off: the own geometry at a larger cap runs fewer micro-batches per rank than training
+(benchmarks/bench_planners.py, forward rows, measures how many); ``like`` buys bit-identity at
+the training K.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ micro-batch 2``) and a typed getter, so a damaged plan gives one :class:`PlanErr
 field, the place and the value — ``plan JSON step 0, rank 1, micro-batch 2: field 'loss_scale'
 is missing`` — never a bare ``KeyError: 'loss_scale'`` or ``'int' object is not iterable``.
 Sample indices must be whole numbers in 0..N-1 (``-1`` and ``0.5`` are refused, not wrapped or
-truncated). Cost: one pass over the JSON, ~2 % of ``from_dict`` (the numpy conversions dominate).
+truncated). Cost: one pass over the JSON (the numpy conversions of ``from_dict`` dominate).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ on load instead of storing it.
 ``find_shared_prefixes`` finds, for every sample, the longest common prefix with any earlier
 sample, exactly (64-bit prefix hashes, then each claimed prefix is verified token by token).
 Cost: ``micro_tree`` O(|S| + ancestors) Python steps; ``find_shared_prefixes`` O(N log N) numpy
-for N tokens — 2,048 samples holding 8M tokens in ~3 s here.
+for N tokens.
 """
 
 from __future__ import annotations

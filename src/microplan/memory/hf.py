@@ -25,15 +25,14 @@ sequence parallelism every term divides by t (Megatron's ``theoretical_memory_us
   output, Korthikanti's 5as²); with recomputation one layer at a time (×2: scores and their
   gradient). ``sdpa-packed`` (transformers' sdpa over a packed row): a lone sample runs the
   unmasked causal kernel (no quadratic term), two or more samples a 1-byte boolean ``[T, T]``
-  mask plus the two float32 ``[T, T]`` copies the CPU kernel makes of it: ``per_row_sq = 9``
-  (measured: 9.0-10.0 bytes per pair); under recomputation the copies come and go while less
-  is alive and the boolean mask is what shows: ``per_row_sq = 1`` (measured 1.2-1.7).
+  mask plus the two float32 ``[T, T]`` copies the CPU kernel makes of it: ``per_row_sq = 9``;
+  under recomputation the copies come and go while less is alive and the boolean mask is what
+  shows: ``per_row_sq = 1``.
 - Forward-only pass: nothing is saved; the peak is the larger of one layer's transients and the
   logits, above the hidden state: ``e·(3h + layer) `` vs ``e·3h + logits``.
 - Prefix trees (``share_prefixes``): microplan's tree attention gathers each segment's path keys
-  and keeps path tables; ``tree_factor`` 1.25 covers what was measured on CPU (1.18-1.21× the
-  flat row of the same unique tokens, tiny Llama, three tree shapes); ``profile_memory(trees=True)``
-  measures it for a real model.
+  and keeps path tables; ``tree_factor`` (default 1.25) is that overhead over the flat row of
+  the same unique tokens; ``profile_memory(trees=True)`` measures it for a real model.
 - Context parallel: each GPU keeps the gathered keys/values of the whole row, per layer
   (``kv_per_token = e·layers·(k + v)/t``; one layer under recomputation).
 

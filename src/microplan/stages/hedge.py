@@ -21,15 +21,9 @@ micro-batch empties; deterministic. The point-estimate lockstep time may rise a 
 the hedge. Cost: O(iterations · S · (receiver samples · samples of the chosen micro-batch)) numpy;
 at most ``max_iters`` iterations (default min(2·K + 16, 64)), receivers bounded as in lockstep.py;
 it stops within ``STOP_GAP`` (0.05 %) of F's floor, Σ_s of each scenario's mean load per rank.
-Measured (``python -m benchmarks.bench_meter --grid --seeds 12``: 72 varlen truths, CostMeter after
-3 warm-up steps at 5 % timing noise, 12 seeds × 3 scored steps; each scored step also planned on the
-same meter's point estimate): metered − oracle lockstep/LB, mean over cells 0.00072 hedged vs
-0.00120 on the point estimate (the informed estimator, told the truth's form: 0.00109); cells
-within 0.002: 71 vs 70 of 72. Local placement (``same_rank=True``, ``--placement local``): 68 vs
-62 of 72, mean 0.00103 vs 0.00124. The price (``python -m benchmarks.bench_speed``, "hedged" row, attention
-±10 %): 70.6 ms against the plain plan's 8.8 ms at 16,384 samples / dp 128 (the pass runs all its
-2·K + 16 iterations there, each still lowering F), 40.8 against 5.2 ms at 4,096 / dp 32 — small
-beside a training step, and ``CostMeter(hedge=False)`` plans on the point estimate.
+Trade-off: the hedged pass costs several times the plain plan's time (small beside a training
+step; ``python -m benchmarks.bench_meter --grid`` measures the gain, ``benchmarks.bench_speed``'s
+"hedged" row the price), and ``CostMeter(hedge=False)`` plans on the point estimate.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ the longest, N_B tokens — escape it).
   and the next K packs faster (a cap-tight K leaves no room to balance; ``"walk"`` keeps going).
   The slack test tries the O(n) bound without the lockstep slot term first (``quick_bounds``, never
   above LB): a plan within ``SLACK`` of it needs no slot term's O(n log n) sort (the usual case:
-  16k GRPO samples at dp 128 sit 0.06 % above it; ~1 ms of a ~15 ms plan).
+  steps sit just above it).
 - A packed term: LB(K) trades g (falls with K) against per_micro (grows with K), and the packed
   plans' predicted time is not unimodal in K (lone samples skip the packed term, so it drops
   wherever a few more samples get a micro-batch of their own). The search is global over the
@@ -26,14 +26,13 @@ the longest, N_B tokens — escape it).
   on both sides of the best K so far until they close. A K whose LB(K) is not below the best
   time found is never packed (the cost model's bound on both sides); at most ``MAX_EVALS``
   packings. Every K tried is reported with its predicted time in :class:`KChoice`, so
-  ``Plan.stats`` can say why K was chosen. Measured (benchmarks/bench_meter.py, dense truths, 4
-  families × dp 8/32): the chosen K is the best of every K of the same packer in every step
-  (the earlier pattern search from argmin LB stopped up to 1.32x slower).
+  ``Plan.stats`` can say why K was chosen (benchmarks/bench_meter.py compares the chosen K with
+  every K of the same packer).
 
 Guarantees: the chosen K is one of the evaluated candidates with the lowest predicted time
 (ties → smaller K); the time lower bound of a step is min_K LB(K) over K >= K_lb, a true lower
-bound for every plan the config allows. Cost: O(n) per LB scan, one packing per candidate (dense
-GRPO step of 512-2,048 samples: ~12 packings, 0.5-0.75 s, for a 20-37 % faster predicted step).
+bound for every plan the config allows. Cost: O(n) per LB scan, one packing per candidate (at
+most ``MAX_EVALS``).
 """
 
 from __future__ import annotations

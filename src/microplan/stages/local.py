@@ -48,17 +48,9 @@ only regroup each rank's own samples. Per step:
 Guarantees: those of every plan (equal K, aligned, cap, coverage, exact loss scales computed
 over the whole step exactly as in global placement) plus: every sample runs on ``rank_of``.
 The bound the split allows is ``stats.split_lower_bound`` (the busiest rank's own bound at the
-fewest micro-batches the fullest rank needs). Measured trade-off (benchmarks/bench_planners.py,
-"local" rows, 2026-11-26, lockstep / split bound, worst over 6 seeds × 4 families): pinned by
-verl's driver split, dp 8/32/128 ≤ 1.0014/1.0032/1.0029 with step 4 (1.0015/1.0082/1.0159
-without: bimodal dp 128 seed 0 was K = 4 at 1.0159, now K = 3 at 1.0007; an annealing search
-over every rank's packing, benchmarks/local_reference.py, finds 1.0002 at K = 3 from the old
-packing and nothing better than the plan's 1.0007 from the new one, so the gap was the plan's,
-not the bound's); pinned round robin ≤ 1.0028 (the ranks' unequal totals, 1.2–1.6× the global
-bound, are the split's and no local plan can recover them). CPU time at dp 128 with ``REPAIR`` on / off side by side
-(``bench_planners --planners microplan-local microplan-local-norepair``, 24 cases): 1.17× summed,
-0.50–2.71× per case (steps of 64 samples per GPU pay for the differencing; coarse steps end the
-K walk sooner).
+fewest micro-batches the fullest rank needs); the ranks' unequal totals are the split's, and no
+local plan can recover them. benchmarks/bench_planners.py ("local" rows) measures lockstep over
+that bound and the price of step 4 (``--planners microplan-local microplan-local-norepair``).
 """
 
 from __future__ import annotations

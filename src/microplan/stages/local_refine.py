@@ -21,17 +21,14 @@ Guarantees: lockstep time never rises; cap and locality hold; deterministic (tie
 index). Cost: per change O(n_r² · K log K) numpy on the rank's n_r samples (a few dozen per
 rank in RL steps), at most ``max_changes`` changes per step (default min(4·K + 8, 48)), and a
 kind of change is skipped where it would price more than ``MAX_CANDIDATES``/K candidates at once.
-Measured (benchmarks/bench_planners.py, "local" rows pinned by verl's split, dp 8/32, 6 seeds,
-after the lift of ``local.py``): lockstep over the split's bound median 1.0018 -> 1.0009, worst
-1.0121 -> 1.0082, for ~5 % of the local plan time at dp 128 (profiled over the 24 cases). Pairs
-are tried only when no single atom helps: a rank whose bins hold two mid-size samples each
+Pairs are tried only when no single atom helps: a rank whose bins hold two mid-size samples each
 often needs one pair swapped against a single sample.
 
 Before the polish, ``local.py`` repairs each rank against the shared slot targets (its step 4)
 with the two re-packers below: ``differencing_bins`` (Karmarkar–Karp toward the targets) and
 ``repartition_pairs`` (exact re-splits of two pooled bins). Where the polish needs a change that
 lowers a slot maximum *now*, they work against fixed targets, so 128 ranks within 0.1% of one
-slot's maximum (none of them alone lowering it) are all moved below it; measured in local.py.
+slot's maximum (none of them alone lowering it) are all moved below it.
 """
 
 from __future__ import annotations

@@ -13,11 +13,9 @@ totals). Moves keep every micro-batch within the token cap (and a second capped 
 Guarantees: Σ_m max cost never increases; the cap holds; no micro-batch empties; deterministic.
 Cost: O(iterations · (bins + n)) numpy per iteration (the heaviest micro-batch's samples against
 every bin and every sample), at most ``max_iters`` iterations (default min(2·K + 16, 64)).
-Trade-off (benchmarks/bench_meter.py, 7B truth with attention 2.5x slower per FLOP): the
-slot-blind bin refine leaves 1-3 % spread in the slots after the first; this pass brings the
-median lockstep/LB from ~1.006 to ~1.002 on bimodal steps at dp 32, for ~1-3 ms per step. It
-stops within ``STOP_GAP`` (0.1 %) of its floor: on grpo-longtail at 4k samples / dp 32 the last
-0.02 % cost 17 ms of a 23 ms plan (bench_speed).
+Trade-off: the slot-blind bin refine leaves a spread of a few percent in the slots after the
+first, which this pass removes for a few ms per step (benchmarks/bench_meter.py measures it). It
+stops within ``STOP_GAP`` (0.1 %) of its floor: the last fractions of a percent are the dearest.
 """
 
 from __future__ import annotations
