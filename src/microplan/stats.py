@@ -11,7 +11,7 @@ min over K >= K_lb of LB(K) (``stages/kchoice.py``): with an additive cost that 
 max(Σ sample costs / GPUs + K_lb · per_micro, max sample cost / c_max + per_micro). Padded
 layouts run every row as its own sequence, so their bound is additive even under a dense kernel:
 each sample at the cheaper of its lone and masked row cost (no packed-row Jensen term, which
-used to put the bound up to 1.8× above the plan's own predicted time).
+would not bound a padded plan: its rows are not one packed row).
 With pipeline parallelism the step's wall time under the 1F1B (or interleaved) schedule is
 ``pipeline_time`` (``stages/pipeline.py``); the other times stay whole-model sums.
 

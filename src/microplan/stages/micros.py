@@ -5,9 +5,7 @@ slices of four shared arrays (ascending global index = execution order): buildin
 costs one argsort and dp·K slices, no per-sample Python work. :func:`grid_micros` builds the
 ranks × slots rows directly (``types._micro_row``: one small dict per Micro, ``indices`` sliced,
 the other three arrays on first read; ``types._micro_grid``: every rank in one pass when the
-step has no placeholder). Measured (16,384 samples in 2,304 micro-batches, CPU time
-on the shared VM at load ~4, same process): ``build_step`` 3.9 ms, 9.4 ms through per-bin tuples
-of four slices and keyword calls.
+step has no placeholder).
 """
 
 from __future__ import annotations

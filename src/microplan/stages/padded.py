@@ -35,30 +35,12 @@ Static batching (``micro_batch_size``) runs the same with a count cap and K fixe
 Guarantees: every bin non-empty (placeholders only when the step has fewer samples than dp·K),
 within the cap counting padding and within the vision cap; deterministic; never slower than the
 min-max walk alone (its packings are candidates). The 2D width of a run is the max prompt plus
-the max response over the run, exactly what ``pack_micro`` builds. Measured
-(benchmarks/bench_layouts.py --quick, 7B cost, dp 8/32, 3 seeds, medians by family):
-1.011–1.022 padded/real tokens, 0 micro-batches over the cap, lockstep 1.037–1.052× the
-granularity-aware bound of ``padded_bound.py`` (the min-max walk alone: 1.046–1.054×; worst
-1.116 -> 1.110) and 1.043–1.064× the varlen lower bound; on 12-sample steps (48, dp 2–3) within
-1.0056 of the exhaustive optimum without placeholders in every step (median 1.0000; the walk
-alone: median 1.027, worst 1.20, stopping below the optimum's K); on mid steps (24–50 samples,
-dp 2–8, 12 steps) within 1.0066 of the optimum where the exact solver proves it
-(benchmarks/padded_exact.py, 5 of 12 in 20 s; plan/its dual bound median 1.0071, worst 1.098
-on an unproved dp-8 step), while the best plan known is 1.02–1.22× the bound (median 1.060):
-the gap to the bound is mostly the bound's slack. NeMo-RL's sorted buckets pad
-1.18–1.22× (1.21–1.32× the varlen bound); a fixed micro_batch_size runs 2.8–4.5× it.
-Trade-off: the volume cuts (and the walk, which stopped two K after the first packing until
-issue 20's mid table showed it) cost plan time on small steps: 100 ms median, 909 ms worst on the
-mid steps (``bench_layouts --quick``, ``mid`` rows), for the interleaved slots no boundary move
-reaches (tests/test_padded_bound.py: a 24-sample step 1.037 -> 1.000 of the optimum). On the
-large grid the volume-cut starts (now on every step within ``VOLUME_MAX_WORK``, not ≤ 64 samples)
-lower the lockstep time of 5 of 24 steps by up to 0.95% (the dp-8 steps of 128–261 samples,
-where an annealing search had found better plans: ``benchmarks/padded_anneal.py``) and take
-those steps' plan time from 14–33 to 30–77 ms (``bench_layouts --quick --volume-max-work 0``
-against the default, one machine state).
-The DP and the deep search double the plan time — CPU median 13 -> 26 ms on the
-quick grid (n = 128–2k; max 25 -> 63 ms) for up to 4.4% less lockstep time (family medians
-0.02–1.0%; padded-2d: 1.127 -> 1.090× the bound, median).
+the max response over the run, exactly what ``pack_micro`` builds.
+Trade-off: the volume cuts, the level DP and the deep search cost plan time (most on small and
+mid steps) for the interleaved slots no boundary move reaches; benchmarks/bench_layouts.py
+(``--quick``; ``--volume-max-work 0`` without the volume cuts), benchmarks/padded_exact.py and
+benchmarks/padded_anneal.py measure the plans against the bound, the exhaustive optimum and an
+annealing search, and the plan time.
 """
 
 from __future__ import annotations

@@ -34,14 +34,10 @@ runs the cap allows (over dp) to ⌈n/dp⌉: more slots than ⌈n/dp⌉ leave a 
 placeholders, which a plan can drop for per_micro less. It is valid for ``padded-2d`` too (a 2D
 row is at least as wide as the sample). It is *not* tight: slots of dp micro-batches whose costs
 are few multiples of a row cannot be levelled, and that residue is what the exhaustive optimum
-(benchmarks/padded_optimum.py) measures. Measured: on the benchmark families (bench_layouts.py,
-quick grid and 12-sample steps) fact 3 never exceeds the volume (a long tail leaves plenty of
-short samples to fill slot 0), so the bound there is unchanged: the exhaustive optimum is
-1.05–1.11× it (median) on 12-sample steps, a plan within 1.01 of it is not to be expected; on
-random small instances with several samples at the longest length (300 draws, n 4–10, dp 2–3)
-fact 3 raises the bound in 23% of them, up to 1.38×, and the optimum's mean ratio to it falls
-1.111 -> 1.082. Cost: one O(n·k_max·λ) pass over the starts for ~50 λ at once: ~0.1 s at
-n = 2k (a benchmark and test tool, not on the plan path); fact 3 is O(n·K).
+(benchmarks/padded_optimum.py) measures. On a long tail fact 3 rarely exceeds the volume (plenty
+of short samples fill slot 0); it helps where several samples share the longest length. Cost:
+one O(n·k_max·λ) pass over the starts for ~50 λ at once (a benchmark and test tool, not on the
+plan path); fact 3 is O(n·K).
 """
 
 from __future__ import annotations

@@ -33,10 +33,7 @@ Guarantees: the runs returned number exactly dp·K, each within the caps (a sub-
 run within the caps); the DP's time is achievable (its runs' predicted lockstep time is at
 most it: ``assign.arrange`` does no worse than the DP's slots). Not exact: an optimal plan's
 slots need not be contiguous in the sorted order (``padded_search.py``'s moves take it from
-there). Measured (benchmarks/bench_layouts.py): on 12-sample steps the DP's K is the optimum's
-K in most steps, where the min-max walk stopped early (plan/optimum worst 1.20 -> 1.05 with
-boundary moves alone); on the quick large grid the K changes in 6 of 24 steps. Cost:
-O(S·|T|·n) for S slots: 10–110 ms at n = 0.1–2k (2 cores, shared).
+there). Cost: O(S·|T|·n) for S slots.
 """
 
 from __future__ import annotations

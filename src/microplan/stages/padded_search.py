@@ -18,11 +18,7 @@ order). Moves, each kept only when that time falls:
    else any two, inner boundaries move anywhere, scored at once on a table of every run's cost.
 
 Guarantees: every run stays non-empty and within the caps, the count of runs is kept, the time
-never rises; deterministic. Measured (benchmarks/bench_layouts.py --quick): on 12-sample steps
-(48, dp 2–3) the plan is within 1.0056 of the exhaustive optimum without placeholders in every
-step (the level DP's runs with boundary moves alone: worst 1.05); on the large grid the wide
-moves take rows up to 1.2% lower (grpo-longtail dp 32 seed 0: 1.0724 -> 1.0660 the bound; the
-worst row 1.1133 -> 1.1095) for a third more plan time. Cost: a lockstep round sorts the costs
+never rises; deterministic. Cost: a lockstep round sorts the costs
 once and scores each of its O(K) moves in O(K) (``_lockstep_two_changed``: the slot heads with the
 two changed runs taken out and put back, not a sort per move); moves 3 score O(m²) per round;
 moves 4 at most 40k pairs per round.

@@ -20,18 +20,16 @@ three best by local search (moves and swaps of one micro-batch; bounded work), k
 order of least predicted makespan: never predicted slower than any construction, and optimal
 on every exhaustively checked case (K = 7, 8). What it finds: the lightest micro-batch last
 (the last backward drains through every stage at twice a forward's cost), a light one first.
-Measured (benchmarks/bench_pipeline.py, 384 steps, p = 4/8, 1F1B and interleaved): 0.0–0.9 %
-faster than verl's order in the median, up to 11 %; the search costs <= ~0.2 s a step (numpy),
-and runs only when ``pipeline_stages`` > 1. Long orders: the pyramids are dealt by a vectorised
+The search (numpy, bounded work; benchmarks/bench_pipeline.py compares it with verl's order) runs
+only when ``pipeline_stages`` > 1. Long orders: the pyramids are dealt by a vectorised
 merge and, beyond ``ALL_TAILS_MAX_K`` micro-batches, only the extreme and evenly spaced tails are
-built; a local-search round is skipped *before* building a neighbourhood the budget refuses —
-K = 2,000 at p = 2 orders in ~0.3 s (was 12 s).
+built; a local-search round is skipped *before* building a neighbourhood the budget refuses.
 
 K. With ``pipeline_stages`` the planner chooses K by the predicted pipeline time of this module
 (``kchoice.choose_k_pipeline``: candidates timed in their best constructed order, the best ones
 re-timed in the searched order, :func:`slot_order`, which the planner then runs): more, smaller
-micro-batches shrink the bubble. Measured (bench_pipeline --quick, dp 8, 3 seeds): never
-predicted slower than the K of least lockstep time, 1.0–40 % faster in the median by family.
+micro-batches shrink the bubble; the K chosen is never predicted slower than the K of least
+lockstep time (it is one of the candidates).
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ strictly lowers max(cost_h, cost_l). Guarantees: the cap still holds, no micro-b
 empty, the maximum cost never increases, the result is deterministic. Cost: O(iterations ·
 samples-per-bin²) with at most ``max_iters`` iterations (default min(2 · bins, 256)); on a few
 samples per bin an iteration is ~20 numpy calls, so their fixed cost is the cost: the pair's
-columns are gathered once and ``count_nonzero`` stands for ``any`` (16,384 GRPO samples in 2,304
-bins, 34 iterations, CPU time, same process: 2.07 -> 1.49 ms).
+columns are gathered once and ``count_nonzero`` stands for ``any``.
 """
 
 from __future__ import annotations
