@@ -45,7 +45,7 @@ CP. A record of a micro-batch split over c > 1 GPUs (``cp_size``) is fitted sepa
 window also holds unsplit records, the base model is fitted on those alone and the CP term
 (:class:`CPCost`: K/V communication, overlap, split efficiency and overhead) on the split ones
 against it (``cost/cpfit.py``); with too few split records, or none unsplit (then the base fit
-takes the split records at 1/c of their token work, as before), the CP term is the prior's,
+takes the split records at 1/c of their token work), the CP term is the prior's,
 rescaled to seconds, and :meth:`CostMeter.report` says so.
 
 Drift: every record is also scored against the model the meter last handed out (the one the

@@ -7,8 +7,7 @@ sequence of W (``cost.models.row_costs``: a dense kernel computes all W² pairs 
 row). Padding is low when a micro-batch holds samples of similar length, so bins are
 *contiguous runs* of the samples sorted by length (descending; 2D: by response length in
 quarter-octave buckets, then by prompt length, so a run shares both its longest prompt and its
-longest response — measured 1.09 padded/real tokens against 1.15 when sorting 2D rows by total
-length). Two ways to cut them, each polished by ``padded_search.py``:
+longest response, which pads less than sorting 2D rows by total length). Two ways to cut them, each polished by ``padded_search.py``:
 
 1. Min-max runs for m bins: a bisection on a cost target τ; from each run start a, the run takes
    the most samples whose padded cost stays <= τ and whose footprint (and vision tokens) stay

@@ -7,7 +7,7 @@ Design note. ``token_logprobs(model(...).logits, p)`` materialises the [T, V] lo
 instead and computes ``chunk_tokens`` rows of logits at a time (matmul in the weight's dtype,
 then upcast, as HF does), so the logits take 2·chunk·V·4 bytes whatever T. Under autograd each
 slice is recomputed in backward (``torch.utils.checkpoint``), so training keeps the bound too.
-Measured (benchmarks/bench_logits.py, CPU peak RSS via /proc VmHWM): see docs/passes.md.
+benchmarks/bench_logits.py measures the peak (docs/passes.md).
 The result equals ``token_logprobs`` of the full logits up to float rounding (a matmul over a
 slice of rows may block differently); for bit-identical log-probs between two passes, use the
 same recipe (and the same micro-batches: ``plan_forward(like=...)``) in both.

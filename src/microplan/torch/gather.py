@@ -14,10 +14,6 @@ Why tensors and not ``all_gather_object``: all_gather_object pickles every rank'
 runs its own size + payload gathers, and unpickles world payloads on every rank (unpickling
 peers' bytes is also a code-execution hazard); under NCCL it stages the pickles through the
 GPU. Here integer columns travel as raw int64 memory and string ids as JSON (no pickle).
-Measured on gloo, 2 shared CPU cores, transport only: 8 ranks × 4,096 samples 35 ms vs 55 ms,
-4 ranks × 16,384 samples 20 ms vs 42 ms (with string ids: 53 vs 55, 22 vs 56). End to end, the
-gather is dominated by validating the global Batch (~80 ms at 32-64 k samples), which both
-routes pay.
 
 Id rule. ``local_ids=False`` (default): ids are global — the same prompt/rollout id on two
 ranks means the same group (e.g. a GRPO group whose samples landed on different ranks); ids

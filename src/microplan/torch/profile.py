@@ -33,11 +33,7 @@ Guarantees: every fitted coefficient is >= 0; the result carries R², the held-o
 relative error, the regime and every timed row (``rows``: lengths, per-pass seconds, median,
 held-out flag). Trade-off: each extra pass costs a full pass of time and buys robustness to
 jitter (the median of 3 ignores one disturbed run). A pass at cap 4,096 holds ~11 cap-fulls of
-tokens: for the 4-layer Llama (hidden 256) of benchmarks/bench_measured.py on this repository's
-2-core CPU, ~24 s when the machine is quiet (estimated from single runs: a cap-long sample 1.7 s,
-a cap-full pack through transformers' sdpa 2.5 s), so 3 passes + warm-up take ~80 s. Measured
-on the shared machine overloaded (load average 4-6 on 2 cores) instead: one pass took 204 s (the 120 s budget then stops
-there), the T² regime was still detected, held-out median error 17.9 %.
+tokens; the time budget stops the passes early on a slow or loaded machine.
 """
 
 from __future__ import annotations
