@@ -22,7 +22,7 @@ Design note. Mirrors ``profile_cost`` (``torch/profile.py``), with peak bytes in
    unique tokens and Σ depth (rounded up to 0.5 %, at least 1).
 
 Guarantee: held-out errors are reported (``heldout_median_error``, ``heldout_max_error``), as
-``profile_cost`` does. Measured: benchmarks/bench_memory.py.
+``profile_cost`` does; benchmarks/bench_memory.py measures it.
 """
 
 from __future__ import annotations
