@@ -123,7 +123,7 @@ def local_view(local_batch: LocalBatchLike, *, group: Any = None, local_ids: boo
     heads = all_gather_rows(torch.tensor(header, dtype=torch.int64, device=dev), group).cpu().numpy()
     fail_together(heads[:, 0].tolist(), err, what="gather_batch (local batch)", group=group)
     assert enc is not None
-    lay = _Layout(heads, local_ids)
+    lay = _GlobalColumns(heads, local_ids)
     counts = [int(n) for n in heads[:, 1]]
     cols = all_gather_padded(torch.from_numpy(enc.columns(lay)).to(dev), [n * lay.ncols for n in counts], group)
     blobs = [b""] * world
@@ -175,7 +175,7 @@ class _Local:
         return [0, b.num_samples, int(b.prompt_lens is not None), self.pkind, self.rkind, len(self.json_bytes),
                 b.num_prompts, b.num_rollouts, int(b.vision_tokens is not None)]
 
-    def columns(self, lay: _Layout) -> np.ndarray:
+    def columns(self, lay: _GlobalColumns) -> np.ndarray:
         b, n = self.b, self.b.num_samples
         cols = [b.seq_lens, b.loss_tokens]
         if lay.plens:
@@ -193,7 +193,7 @@ class _Local:
         return np.stack(cols, axis=1).reshape(-1).astype(np.int64) if n else np.zeros(0, np.int64)
 
 
-class _Layout:
+class _GlobalColumns:
     """Global column layout, decided identically on every rank from the gathered headers."""
 
     def __init__(self, heads: np.ndarray, local_ids: bool) -> None:
@@ -227,7 +227,7 @@ def _check_same_presence(name: str, kinds: np.ndarray, ranks: np.ndarray) -> Non
                         "(or none may); or pass local_ids=True to number groups per rank.")
 
 
-def _assemble(lay: _Layout, tables: list[np.ndarray], blobs: list[bytes]) -> Batch:
+def _assemble(lay: _GlobalColumns, tables: list[np.ndarray], blobs: list[bytes]) -> Batch:
     """The global Batch from every rank's columns (raises the same PlanError on every rank)."""
     allc = np.concatenate(tables) if tables else np.zeros((0, lay.ncols), np.int64)
     c = 2 + int(lay.plens)
@@ -244,7 +244,7 @@ def _assemble(lay: _Layout, tables: list[np.ndarray], blobs: list[bytes]) -> Bat
                         "same ids share groups; pass local_ids=True if each rank numbers its own).") from None
 
 
-def _ids(lay: _Layout, tables: list[np.ndarray], blobs: list[bytes], which: int, col: int) -> list[Any] | None:
+def _ids(lay: _GlobalColumns, tables: list[np.ndarray], blobs: list[bytes], which: int, col: int) -> list[Any] | None:
     """Prompt (which=0) or rollout (which=1) ids of the global batch, or None when nobody gave any."""
     present = lay.p_int if which == 0 else lay.r_int
     if lay.local_ids:
