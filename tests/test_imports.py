@@ -107,17 +107,7 @@ def test_the_graph_sees_every_kind_of_import():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
 
-#: Circles allowed to remain: none. (The second test below fails when a listed circle is gone, so
-#: the list can only shrink; it is empty now, and must stay so.)
-KNOWN: list[list[str]] = []
-
-
 def test_no_import_circles():
-    found = [c for c in cycles(import_graph()) if c not in KNOWN]
+    found = cycles(import_graph())
     assert not found, "import circles (module-level, lazy or TYPE_CHECKING imports):\n" + \
         "\n".join(" ↔ ".join(c) for c in found)
-
-
-def test_the_known_circles_are_still_there():
-    gone = [c for c in KNOWN if c not in cycles(import_graph())]
-    assert not gone, f"these circles are gone: remove them from KNOWN in {__file__}: {gone}"
