@@ -53,17 +53,41 @@ LLAMA3_8B = dict(model_type="llama", hidden_size=4096, num_hidden_layers=32, num
                  num_key_value_heads=8, intermediate_size=14336, vocab_size=128256, hidden_act="silu")
 
 
-def _model(arch: str, attn: str, ckpt: bool):
+def grpo_groups(groups: int, prompt_lens: tuple[int, int], response_lens: tuple[int, int], *, vocab: int,
+                seed: int):
+    """GRPO groups of 4 responses sharing a random prompt (lengths drawn in [lo, hi) by numpy ``seed``,
+    token ids from torch seed 0): (token tensors, the Batch with its prefix forest)."""
+    import torch
+
+    import microplan as mp
+    rng, gen = np.random.default_rng(seed), torch.Generator().manual_seed(0)
+    toks, lens, parent, shared, pids = [], [], [], [], []
+    for p in range(groups):
+        P = int(rng.integers(*prompt_lens))
+        prompt = torch.randint(0, vocab, (P,), generator=gen)
+        for k in range(4):
+            R = int(rng.integers(*response_lens))
+            toks.append(torch.cat([prompt, torch.randint(0, vocab, (R,), generator=gen)]))
+            lens.append(P + R)
+            parent.append(-1 if k == 0 else len(lens) - 1 - k)
+            shared.append(0 if k == 0 else P)
+            pids.append(p)
+    return toks, mp.Batch(lens, prompt_ids=pids, prefix_parent=parent, shared_prefix_lens=shared)
+
+
+def tiny_model(arch: str, attn: str, ckpt: bool, *, hidden: int = 128, vocab: int = VOCAB, positions: int = 8192):
+    """A 2-layer random-weight ``arch`` ("llama" or "gpt2") of width ``hidden`` (FFN 2 × hidden) built from
+    a config, with ``attn`` as its attention implementation and checkpointing when ``ckpt``: (model, config)."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     if arch == "llama":
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+        cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=positions,
                           attn_implementation=attn)
         model = LlamaForCausalLM(cfg)
     else:
-        cfg = GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4, n_positions=8192, resid_pdrop=0.0,
+        cfg = GPT2Config(vocab_size=vocab, n_embd=hidden, n_layer=2, n_head=4, n_positions=positions, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg)
     if ckpt:
@@ -76,7 +100,7 @@ def _cell(arch: str, attn: str, ckpt: bool, cap: int, n: int) -> dict:
 
     import microplan as mp
     from microplan.torch import pack_micro, peak_bytes, profile_memory, token_logprobs, weighted_loss
-    model, cfg = _model(arch, attn, ckpt)
+    model, cfg = tiny_model(arch, attn, ckpt)
 
     def run(p):  # the loss recipe of docs/integration.md: token log-probs in float32, weighted loss
         weighted_loss(-token_logprobs(model(**p.model_inputs(), use_cache=False).logits.float(), p), p).backward()
@@ -138,20 +162,7 @@ def _sharing_cell(cap: int) -> dict:
         weighted_loss(-token_logprobs(model(**p.model_inputs(), use_cache=False).logits.float(), p), p).backward()
     res = profile_memory(run, max_tokens_per_micro=cap, vocab_size=VOCAB, trees=True)
     B = res.model.micro_bytes([cap // 4] * 4)
-    rng = np.random.default_rng(2)
-    gen = torch.Generator().manual_seed(0)
-    toks, lens, parent, shared, pids = [], [], [], [], []
-    for p in range(16):
-        P = int(rng.integers(cap // 16, cap // 4))
-        prompt = torch.randint(0, VOCAB, (P,), generator=gen)
-        for k in range(4):
-            R = int(rng.integers(cap // 32, cap // 6))
-            toks.append(torch.cat([prompt, torch.randint(0, VOCAB, (R,), generator=gen)]))
-            lens.append(P + R)
-            parent.append(-1 if k == 0 else len(lens) - 1 - k)
-            shared.append(0 if k == 0 else P)
-            pids.append(p)
-    batch = mp.Batch(lens, prompt_ids=pids, prefix_parent=parent, shared_prefix_lens=shared)
+    toks, batch = grpo_groups(16, (cap // 16, cap // 4), (cap // 32, cap // 6), vocab=VOCAB, seed=2)
     out = {"arch": "llama (microplan attention)", "tree_factor": res.model.tree_factor, "budget": B}
     for share in (True, False):
         plan = mp.plan(batch, mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B, share_prefixes=share))
@@ -171,7 +182,7 @@ def _dense_case(cap: int) -> dict:
 
     import microplan as mp
     from microplan.torch import pack_micro, peak_bytes, profile_memory, token_logprobs, weighted_loss
-    model, _ = _model("llama", "sdpa", False)
+    model, _ = tiny_model("llama", "sdpa", False)
 
     def run(p):
         weighted_loss(-token_logprobs(model(**p.model_inputs(), use_cache=False).logits.float(), p), p).backward()

@@ -26,20 +26,9 @@ def _one_thread():
 
 
 def _model(arch: str, attn: str, checkpointing: bool = False) -> torch.nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-    torch.manual_seed(0)
-    if arch == "llama":
-        cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                          attn_implementation=attn)
-        model = LlamaForCausalLM(cfg)
-    else:
-        cfg = GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=4096, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation=attn)
-        model = GPT2LMHeadModel(cfg)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.train()
+    """bench_memory's random-weight model, at width 64 (FFN 128) and this file's vocabulary."""
+    from benchmarks.bench_memory import tiny_model
+    return tiny_model(arch, attn, checkpointing, hidden=64, vocab=VOCAB, positions=4096)[0]
 
 
 def _runner(model: torch.nn.Module):
@@ -116,20 +105,8 @@ def test_shared_prefix_byte_plan_runs_under_its_budget():
     res = profile_memory(run, max_tokens_per_micro=CAP, vocab_size=VOCAB, trees=True)
     assert res.model.tree_factor > 1.0  # trees hold more than their unique tokens show
     B = res.model.micro_bytes([CAP // 2, CAP // 2])
-    rng = np.random.default_rng(0)
-    g = torch.Generator().manual_seed(0)
-    toks, lens, parent, shared, pids = [], [], [], [], []
-    for p in range(8):  # GRPO groups: a prompt shared by 4 responses
-        P = int(rng.integers(20, 90))
-        prompt = torch.randint(0, VOCAB, (P,), generator=g)
-        for k in range(4):
-            R = int(rng.integers(5, 60))
-            toks.append(torch.cat([prompt, torch.randint(0, VOCAB, (R,), generator=g)]))
-            lens.append(P + R)
-            parent.append(-1 if k == 0 else len(lens) - 1 - k)
-            shared.append(0 if k == 0 else P)
-            pids.append(p)
-    batch = mp.Batch(lens, prompt_ids=pids, prefix_parent=parent, shared_prefix_lens=shared)
+    from benchmarks.bench_memory import grpo_groups
+    toks, batch = grpo_groups(8, (20, 90), (5, 60), vocab=VOCAB, seed=0)  # a prompt shared by 4 responses
     plan = mp.plan(batch, mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B, share_prefixes=True))
     plan.validate()
     micros = [m for s in plan.steps for row in s.micros for m in row if not m.is_placeholder]
