@@ -181,3 +181,39 @@ def test_sharing_plan_is_never_predicted_slower_than_without():
     shared = mp.plan(b, mp.PlanConfig(**cfg, share_prefixes=True))
     plain = mp.plan(b, mp.PlanConfig(**cfg))
     assert shared.stats.lockstep_time <= plain.stats.lockstep_time * (1 + 1e-9)
+
+
+# -- bench_prefix_measured: the branching agentic family and both timed passes ----------------------
+
+def test_agentic_pairs_forest_by_hand():
+    from benchmarks.bench_prefix_measured import agentic_pairs
+    b = agentic_pairs(num_prompts=2, pairs=3, max_len=2048, seed=5)
+    assert b.num_samples == 12 and np.array_equal(b.prompt_ids, np.repeat([0, 1], 6))
+    par, sh, plen = b.prefix_parent, b.shared_prefix_lens, b.prompt_lens
+    for p0 in (0, 6):                                 # each prompt's first rollout roots its tree
+        assert par[p0] == -1 and sh[p0] == 0
+        for k in range(3):
+            a, c = p0 + 2 * k, p0 + 2 * k + 1         # c shares prompt + call (40-81) + result (102-204) with a
+            assert par[c] == a and plen[a] + 142 <= sh[c] <= plen[a] + 285 and sh[c] < b.seq_lens[c]
+            if k:                                     # a pair's first rollout shares the prompt only
+                assert par[a] == p0 and sh[a] == plen[a]
+    same = agentic_pairs(num_prompts=2, pairs=3, max_len=2048, seed=5)
+    assert np.array_equal(same.seq_lens, b.seq_lens) and np.array_equal(same.shared_prefix_lens, sh)
+    assert (b.seq_lens <= 2048).all()
+
+
+def test_measured_bench_times_both_passes_on_a_tiny_model():
+    import torch
+
+    from benchmarks import bench_prefix_measured as bpm
+    torch.set_num_threads(1)
+    net = bpm.model(1, 32)
+    b = bpm.agentic_pairs(num_prompts=1, pairs=2, max_len=256, seed=0)
+    res = bpm.measure(net, b, bpm.tokens_for(b, seed=7), dp=2, cap=2048, repeats=1)
+    assert res["unshared"]["tokens"] == int(b.seq_lens.sum()) > res["shared"]["tokens"]
+    assert res["token_ratio"] == res["unshared"]["tokens"] / res["shared"]["tokens"]
+    for ps in bpm.PASSES:
+        for side in ("unshared", "shared"):
+            assert 0 < res[side][ps]["lockstep_s"] <= res[side][ps]["total_s"]
+        r = res[ps]
+        assert r["efficiency"] == pytest.approx(r["speedup_total"] / res["token_ratio"])
