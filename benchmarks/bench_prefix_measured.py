@@ -111,6 +111,14 @@ def families(quick: bool) -> dict[str, mp.Batch]:
 
 
 PASSES = ("fwd+bwd", "logprob")
+
+
+def attention_pairs(micro: mp.Micro, toks: list[torch.Tensor]) -> int:
+    """(query, key) pairs the micro-batch's attention computes (a tree row: each segment over its path)."""
+    from microplan.torch import pack_micro
+    from microplan.torch.attention import segments_from_cu_seqlens
+    p = pack_micro(micro, toks, weight_dtype=torch.float32)
+    return segments_from_cu_seqlens(p.cu_seqlens, None if p.tree is None else p.tree.cu_seqlens_k).attention_pairs()
 SPEEDUP_FAMILIES = ("stepwise append-only", "GRPO long prompts")  # the >= 2x target (agentic: ~2x fewer tokens)
 
 
@@ -149,7 +157,9 @@ def measure(net, batch: mp.Batch, toks, dp: int, cap: int, repeats: int) -> dict
                                 g[m] = min(g[m], run_micro(net, micro, toks, ps))
     out: dict = {}
     for share, p in plans.items():
-        row = dict(tokens=p.stats.tokens_with_sharing, micro_count=p.stats.micro_count)
+        row = dict(tokens=p.stats.tokens_with_sharing, micro_count=p.stats.micro_count,
+                   attention_pairs=sum(attention_pairs(m, toks) for st in p.steps for r in st.micros for m in r
+                                       if not m.is_placeholder))
         for ps in PASSES:
             total = lock = 0.0
             for g in grids[share, ps]:
@@ -160,6 +170,7 @@ def measure(net, batch: mp.Batch, toks, dp: int, cap: int, repeats: int) -> dict
         out["shared" if share else "unshared"] = row
     u, s_ = out["unshared"], out["shared"]
     out["token_ratio"] = u["tokens"] / s_["tokens"]
+    out["attention_ratio"] = u["attention_pairs"] / s_["attention_pairs"]
     for ps in PASSES:
         sp = u[ps]["total_s"] / s_[ps]["total_s"]
         out[ps] = dict(speedup_total=sp, speedup_lockstep=u[ps]["lockstep_s"] / s_[ps]["lockstep_s"],
@@ -182,16 +193,16 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     print(f"Llama {layers} layers, hidden {hidden}, float32 on CPU ({args.threads} threads), register_attention(); "
           f"dp={args.dp}, cap={args.cap}; min of {args.repeats} timed runs per micro-batch, plans and passes "
-          f"interleaved; eff = speedup / token ratio")
-    print(f"{'family':<22}{'tokens unshared':>16}{'shared':>9}{'ratio':>7}{'pass':>9}{'total s':>16}{'speedup':>9}"
-          f"{'eff':>6}{'lockstep s':>16}{'speedup':>9}")
+          f"interleaved; eff = speedup / token ratio; attn = attention (query, key) pairs unshared / shared")
+    print(f"{'family':<22}{'tokens unshared':>16}{'shared':>9}{'ratio':>7}{'attn':>6}{'pass':>9}{'total s':>16}"
+          f"{'speedup':>9}{'eff':>6}{'lockstep s':>16}{'speedup':>9}")
     for name, batch in families(args.quick).items():
         toks = tokens_for(batch, seed=7)
         res = measure(net, batch, toks, args.dp, args.cap, args.repeats)
         u, s = res["unshared"], res["shared"]
         for k, ps in enumerate(PASSES):
-            head = (f"{name:<22}{u['tokens']:>16,}{s['tokens']:>9,}{res['token_ratio']:>7.2f}" if k == 0
-                    else " " * 54)
+            head = (f"{name:<22}{u['tokens']:>16,}{s['tokens']:>9,}{res['token_ratio']:>7.2f}"
+                    f"{res['attention_ratio']:>6.2f}" if k == 0 else " " * 60)
             r = res[ps]
             print(f"{head}{ps:>9}{u[ps]['total_s']:>8.2f}/{s[ps]['total_s']:<7.2f}{r['speedup_total']:>9.2f}"
                   f"{r['efficiency']:>6.2f}{u[ps]['lockstep_s']:>8.2f}/{s[ps]['lockstep_s']:<7.2f}"

@@ -217,3 +217,15 @@ def test_measured_bench_times_both_passes_on_a_tiny_model():
             assert 0 < res[side][ps]["lockstep_s"] <= res[side][ps]["total_s"]
         r = res[ps]
         assert r["efficiency"] == pytest.approx(r["speedup_total"] / res["token_ratio"])
+        assert res["attention_ratio"] == res["unshared"]["attention_pairs"] / res["shared"]["attention_pairs"] > 1
+
+
+def test_attention_pairs_of_a_tree_row_by_hand():
+    from benchmarks import bench_prefix_measured as bpm
+    b = mp.Batch([6, 5], prefix_parent=[-1, 0], shared_prefix_lens=[0, 4])   # trie: 4 shared, then 2 and 1
+    toks = bpm.tokens_for(b, seed=0)
+    [[flat]] = mp.plan(b, mp.PlanConfig(dp_size=1, max_tokens_per_micro=64)).steps[0].micros
+    [[tree]] = mp.plan(b, mp.PlanConfig(dp_size=1, max_tokens_per_micro=64, share_prefixes=True)).steps[0].micros
+    assert bpm.attention_pairs(flat, toks) == 21 + 15                 # Σ L(L+1)/2
+    # root 4 (causal, 10 pairs), branch of 2 over 6 keys (5 + 6), branch of 1 over 5 keys (5)
+    assert bpm.attention_pairs(tree, toks) == 10 + 11 + 5
