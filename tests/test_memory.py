@@ -246,3 +246,14 @@ def test_memory_meter_learns_the_machine():
     assert free.model().micro_bytes([250, 250]) == pytest.approx(truth.micro_bytes([250, 250]), rel=0.01)
     with pytest.raises(mp.PlanError, match="flat micro-batches"):
         free.record(mp.Micro([0], [5], [4], [1.0], cp_size=2, cp_group=(0, 1)), 1e6)
+
+
+def test_from_hf_config_takes_gated_mlp_when_the_config_cannot_tell():
+    """A config with no model_type nor activation is refused naming gated_mlp=, which
+    from_hf_config takes (it used to name an argument only FlopsCost.from_hf_config had)."""
+    cfg = dict(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, vocab_size=100, intermediate_size=128)
+    with pytest.raises(mp.PlanError, match="gated_mlp=True"):
+        mp.MemoryModel.from_hf_config(cfg, attention="fa2")
+    gated = mp.MemoryModel.from_hf_config(cfg, attention="fa2", gated_mlp=True)
+    plain = mp.MemoryModel.from_hf_config(cfg, attention="fa2", gated_mlp=False)
+    assert gated.per_token > plain.per_token  # 4f vs 2f MLP elements per token and layer

@@ -138,8 +138,9 @@ class Plan:
 
     def to_json(self, *, indent: int | None = None) -> str:
         """Canonical JSON (sorted keys); ``from_json(p.to_json()) == p`` exactly."""
-        sep = (",", ":") if indent is None else (",", ": ")
-        return json.dumps(self.to_dict(), sort_keys=True, separators=sep, indent=indent, allow_nan=False)
+        if indent is None:  # the compact form is the one the fingerprint hashes: one encoder for both
+            return "".join(self._json_chunks())
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ": "), indent=indent, allow_nan=False)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:

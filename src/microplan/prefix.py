@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from ._intmath import round_up
 from .errors import PlanError
 
 __all__ = ["PrefixTree", "micro_tree", "owner_tree", "merge_runs", "flat_tree", "flat_is_smaller", "flat_wins",
@@ -231,7 +232,7 @@ def flat_wins(trie: tuple[Any, Any], flat: tuple[Any, Any], rules: RowRules) -> 
     T, W = (np.asarray(x) for x in trie)
     F, V = (np.asarray(x) for x in flat)
     r = rules.row
-    RT, RF = -(-T // r) * r, -(-F // r) * r
+    RT, RF = round_up(T, r), round_up(F, r)
     out = (F < T) | (RF < RT) | (V + (RF - F) ** 2 < W + (RT - T) ** 2)
     return bool(out) if out.ndim == 0 else out
 
@@ -239,8 +240,8 @@ def flat_wins(trie: tuple[Any, Any], flat: tuple[Any, Any], rules: RowRules) -> 
 def flat_is_smaller(tree: PrefixTree, lens: np.ndarray, rules: RowRules) -> bool:
     """``flat_wins`` for one trie (its runs padded to ``rules.multiple``)."""
     m = int(rules.multiple)
-    run = int((-(-(tree.end - tree.start) // m) * m).sum())
-    pl = -(-lens[tree.members] // m) * m
+    run = int(round_up(tree.end - tree.start, m).sum())
+    pl = round_up(lens[tree.members], m)
     return flat_wins((run, tree.depth_sq), (int(pl.sum()), int((pl * pl).sum())), rules)
 
 

@@ -27,7 +27,6 @@ from operator import attrgetter, ne
 
 import numpy as np
 
-from ._intmath import cdiv
 from .batch import Batch
 from .config import PlanConfig
 from .errors import PlanError

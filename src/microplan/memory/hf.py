@@ -84,15 +84,16 @@ def _mlp_width(cfg: _Config, gated: bool) -> int:
     return f
 
 
-def layer_elements(config: Mapping[str, Any] | object) -> tuple[int, int, int, int]:
-    """(elements one token keeps per layer, hidden size, layers, key+value elements per layer)."""
+def layer_elements(config: Mapping[str, Any] | object, gated_mlp: bool | None = None) -> tuple[int, int, int, int]:
+    """(elements one token keeps per layer, hidden size, layers, key+value elements per layer);
+    ``gated_mlp`` None: inferred from the config."""
     cfg = _Config(config)
     h, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     layers = cfg.get_int("num_hidden_layers")
     _, d_qk, d_v = _attention(cfg, h, heads)
     kv_heads = heads if cfg.get_int("kv_lora_rank", default=0, minimum=0) else \
         cfg.get_int("num_key_value_heads", default=heads)
-    gated = _infer_gated(cfg)
+    gated = _infer_gated(cfg) if gated_mlp is None else bool(gated_mlp)
     f = _mlp_width(cfg, gated)
     kv = kv_heads * (d_qk + d_v)
     layer = 4 * h + heads * d_qk + kv + heads * d_v + (4 * f if gated else 2 * f)
@@ -110,7 +111,7 @@ def _dropout(config: Any) -> bool:
 
 def memory_from_hf_config(cls: Any, config: Mapping[str, Any] | object, *, dtype: Any, attention: str,
                           gradient_checkpointing: bool, logits_dtype: Any, tensor_parallel: int,
-                          margin: float) -> Any:
+                          margin: float, gated_mlp: bool | None = None) -> Any:
     """The body of ``MemoryModel.from_hf_config`` (see the module note for every term)."""
     if attention not in MEMORY_ATTENTION:
         raise PlanError(f"MemoryModel.from_hf_config(attention={attention!r}): name the kernel the model runs, one "
@@ -121,7 +122,7 @@ def memory_from_hf_config(cls: Any, config: Mapping[str, Any] | object, *, dtype
     e, le = dtype_bytes(dtype), dtype_bytes(logits_dtype, "logits_dtype")
     t = int_field("tensor_parallel", tensor_parallel, minimum=1)
     m = float_field("margin", margin, minimum=0.0)
-    layer, h, layers, kv = layer_elements(config)
+    layer, h, layers, kv = layer_elements(config, gated_mlp)
     heads = _Config(config).get_int("num_attention_heads")
     vocab = _Config(config).get_int("vocab_size")
     up = 0 if le == e else le

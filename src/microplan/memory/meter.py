@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from .._checks import float_field, int_field
+from ..cost.mapfit import rescale
 from ..errors import PlanError
 from .fit import fit_memory, relative_errors
 from .model import MemoryModel
@@ -88,7 +89,7 @@ class MemoryMeter:
         if self.prior is not None:
             base = replace(self.prior, margin=0.0)
             pred = np.array([base.micro_bytes(list(c)) for c in comps], dtype=np.float64)
-            s = _scale(pred, y)
+            s = rescale(pred, y, 1.0 / y)  # argmin_s Σ (s·pred/y − 1)²: the relative least-squares factor
             fitted = _scaled(base, s)
             note = f"MemoryMeter: prior x {s:.4g} from {len(rows)} records"
         else:
@@ -102,12 +103,6 @@ class MemoryMeter:
         under = float(np.max(-err / (1.0 + err)))
         margin = max(self.min_margin, math.ceil(max(0.0, under) * 200.0) / 200.0)
         return replace(fitted, margin=margin, note=f"{note}; margin {margin:.1%} = worst under-prediction")
-
-
-def _scale(pred: np.ndarray, y: np.ndarray) -> float:
-    """argmin_s Σ (s·pred/y − 1)²: the relative least-squares factor."""
-    r = pred / y
-    return float(np.sum(r) / np.sum(r * r))
 
 
 def _scaled(m: MemoryModel, s: float) -> MemoryModel:

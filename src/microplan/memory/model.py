@@ -217,7 +217,8 @@ class MemoryModel:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | object, *, dtype: Any = "bfloat16", attention: str,
                        gradient_checkpointing: bool = False, logits_dtype: Any = "float32",
-                       tensor_parallel: int = 1, margin: float = 0.1) -> MemoryModel:
+                       tensor_parallel: int = 1, margin: float = 0.1,
+                       gated_mlp: bool | None = None) -> MemoryModel:
         """Peak bytes per micro-batch from a Hugging Face config (formula: docs/memory.md, ``memory/hf.py``).
 
         Args:
@@ -233,13 +234,15 @@ class MemoryModel:
                 (sequence parallel assumed, Korthikanti et al. 2022).
             margin: the stated safety margin (relative): the formula is an estimate (within 25 %
                 median on the small models of benchmarks/bench_memory.py); profile for a tighter one.
+            gated_mlp: whether the MLP is gated (SwiGLU/GeGLU); None infers it from ``model_type`` /
+                ``hidden_act``, as ``FlopsCost.from_hf_config`` does.
 
         Returns a model whose ``forward`` is the no-grad pass's model (same config).
         """
         from .hf import memory_from_hf_config
         return memory_from_hf_config(cls, config, dtype=dtype, attention=attention,
                                      gradient_checkpointing=gradient_checkpointing, logits_dtype=logits_dtype,
-                                     tensor_parallel=tensor_parallel, margin=margin)
+                                     tensor_parallel=tensor_parallel, margin=margin, gated_mlp=gated_mlp)
 
     def replace(self, **changes: Any) -> MemoryModel:
         """A copy with ``changes`` (e.g. ``margin=0.05``)."""

@@ -121,6 +121,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
                       time, time, f.width)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
+    priced = gpu_costs(cfg.cost, costs, tokens, cp)  # type: ignore[arg-type]  # placeholders at their price
     if f.grid is not None:  # the local hedge levelled bin r·K + m against slot m: re-sorting would undo it
         grid = f.grid
     elif ctx.local:  # each rank's own bins, heaviest first
@@ -130,9 +131,8 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     else:
         grid = arrange(per_gpu, D, K)
         if atoms.trees and atoms.single:  # never a worse arrangement than the unshared plan's
-            priced = gpu_costs(cfg.cost, costs, tokens, cp)  # type: ignore[arg-type]
             grid = _no_worse_than_flat(grid, priced, samples, sample_bin, f.slots, ctx, K)
-    run_time = grid_time(gpu_costs(cfg.cost, costs, tokens, cp)[grid], cfg.sync)  # type: ignore[arg-type]
+    run_time = grid_time(priced[grid], cfg.sync)
     choice = f.choice if f.choice is not None else _static_choice(K, run_time, cfg)  # static batching
     return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
                   grid_time(per_gpu[grid], cfg.sync), run_time)

@@ -49,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import PlanError
-from .segment_groups import grouped_attention
+from .segment_groups import grouped_attention, one_segment
 
 __all__ = ["ATTENTION_NAME", "Segments", "register_attention", "segments_from_cu_seqlens",
            "segments_from_position_ids", "varlen_attention", "segment_attention"]
@@ -159,17 +159,7 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     gqa = query.shape[1] != key.shape[1]
     outs = []
     for qa, qb, ka, kb in zip(segments.q_starts, segments.q_ends, segments.k_starts, segments.k_ends):
-        q = query[qa:qb].transpose(0, 1)[None]
-        k = key[ka:kb].transpose(0, 1)[None]
-        v = value[ka:kb].transpose(0, 1)[None]
-        lq, lk = qb - qa, kb - ka
-        mask, causal = None, segments.causal
-        if causal and lq != lk:  # bottom-right alignment: query j sees keys 0 .. j + lk - lq
-            mask = torch.ones(lq, lk, dtype=torch.bool, device=query.device).tril(diagonal=lk - lq)
-            causal = False
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=causal,
-                                           scale=scale, enable_gqa=gqa)
-        outs.append(o[0].transpose(0, 1))
+        outs.append(one_segment(query, key, value, qa, qb, ka, kb, segments.causal, scale, dropout_p, gqa))
     if segments.covers_all:
         return torch.cat(outs) if len(outs) > 1 else outs[0]
     out = query.new_zeros(query.shape[0], query.shape[1], value.shape[-1])

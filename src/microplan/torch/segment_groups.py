@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["SLACK", "segment_groups", "grouped_attention"]
+__all__ = ["SLACK", "segment_groups", "grouped_attention", "one_segment"]
 
 #: largest padded / real score work of one batched group
 SLACK = 1.25
@@ -84,8 +84,9 @@ def _plan(q_starts: tuple[int, ...], q_ends: tuple[int, ...], k_starts: tuple[in
     return out
 
 
-def _one(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qa: int, qb: int, ka: int, kb: int,
-         causal: bool, scale: float | None, dropout_p: float, gqa: bool) -> torch.Tensor:
+def one_segment(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, qa: int, qb: int, ka: int, kb: int,
+                causal: bool, scale: float | None, dropout_p: float, gqa: bool) -> torch.Tensor:
+    """One segment's attention: queries ``qa:qb`` over keys ``ka:kb`` (causal bottom-right aligned)."""
     q = query[qa:qb].transpose(0, 1)[None]
     k = key[ka:kb].transpose(0, 1)[None]
     v = value[ka:kb].transpose(0, 1)[None]
@@ -111,7 +112,8 @@ def grouped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         if part[0] == "one":
             j = part[1]
             qa, qb = s.q_starts[j], s.q_ends[j]
-            outs.append(_one(query, key, value, qa, qb, s.k_starts[j], s.k_ends[j], s.causal, scale, dropout_p, gqa))
+            outs.append(one_segment(query, key, value, qa, qb, s.k_starts[j], s.k_ends[j], s.causal, scale, dropout_p,
+                                    gqa))
             rows.append(torch.arange(qa, qb, device=query.device))
             continue
         _, qrows, krows, mask, keep, kept_rows, G, mq, mk = part
