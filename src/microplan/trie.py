@@ -65,15 +65,17 @@ def micro_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, member
     off = np.searchsorted(seg_set, np.arange(num_sets + 1))
     moff = np.searchsorted(mset, np.arange(num_sets + 1))
     parent, shared, lens = _i64(parent), _i64(shared), _i64(lens)
+    par = par - np.where(par >= 0, off[seg_set], 0)   # indices local to each set's segments, all at once
+    anchor = anchor - off[mset]
     out = []
+    flat_l, off_l, moff_l = flat.tolist(), off.tolist(), moff.tolist()
     for k in range(num_sets):
-        c, d = int(moff[k]), int(moff[k + 1])
-        if flat[k]:
+        c, d = moff_l[k], moff_l[k + 1]
+        if flat_l[k]:
             out.append(flat_tree(parent, shared, lens, mem[c:d]))
             continue
-        a, b = int(off[k]), int(off[k + 1])
-        out.append(PrefixTree(owners[a:b], par[a:b] - np.where(par[a:b] >= 0, a, 0), st[a:b], end[a:b], mem[c:d],
-                              anchor[c:d] - a))
+        a, b = off_l[k], off_l[k + 1]
+        out.append(PrefixTree(owners[a:b], par[a:b], st[a:b], end[a:b], mem[c:d], anchor[c:d]))
     return out
 
 

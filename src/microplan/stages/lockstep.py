@@ -55,13 +55,15 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
     lens_f = floor = None  # and the costliest lone sample: O(n), computed once the mean alone does not stop
     stuck: set[int] = set()
     best_obj, since = np.inf, 0
+    by_slot = None  # the slots' view of C, refreshed only after a change (a slot found stuck changes nothing)
     for _ in range(iters):
-        by_slot = C.reshape(-1)[grid.T]          # [K, D] costs per slot
-        order = np.argsort(-by_slot, axis=1)
-        top = by_slot[np.arange(K), order[:, 0]]
-        second = by_slot[np.arange(K), order[:, 1]] if D > 1 else np.zeros(K)
-        gap = top - second
-        cand = [int(m) for m in np.lexsort((np.arange(K), -top, -gap)) if int(m) not in stuck]
+        if by_slot is None:
+            by_slot = C.reshape(-1)[grid.T]          # [K, D] costs per slot
+            order = np.argsort(-by_slot, axis=1)
+            top = by_slot[np.arange(K), order[:, 0]]
+            second = by_slot[np.arange(K), order[:, 1]] if D > 1 else np.zeros(K)
+            ranked = np.lexsort((np.arange(K), -top, -(top - second))).tolist()
+        cand = [m for m in ranked if m not in stuck]
         if not cand:
             break
         obj = float(top.sum())
@@ -85,7 +87,7 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
         if cnt[a] == 0:  # a slot of placeholders only
             stuck.add(m)
             continue
-        got = _best_change(a, m, bin_of, A, T, C, cnt, slot_of, by_slot, order, lens_f, costs, cost, cap, grid,
+        got = _best_change(a, m, bin_of, A, T, C, cnt, slot_of, by_slot, order, top, lens_f, costs, cost, cap, grid,
                            tol=rel_tol * float(top[m]), extra=None if extra is None else (extra[0], X, extra[1]))
         if got is None:
             stuck.add(m)
@@ -95,6 +97,7 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
         apply_change(i, a, b, j, bin_of, A, costs, T, lens_f, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
         for x in (a, b):
             C[x] = c_of(A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
+        by_slot = None
     return bin_of
 
 
@@ -140,15 +143,15 @@ def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, t
 
 
 def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray,
-                 slot_of: np.ndarray, by_slot: np.ndarray, order: np.ndarray, lens: np.ndarray, costs: np.ndarray,
-                 cost: CostModel, cap: int, grid: np.ndarray, *, tol: float,
+                 slot_of: np.ndarray, by_slot: np.ndarray, order: np.ndarray, slot_max: np.ndarray, lens: np.ndarray,
+                 costs: np.ndarray, cost: CostModel, cap: int, grid: np.ndarray, *, tol: float,
                  extra: tuple[np.ndarray, np.ndarray, int] | None = None) -> tuple[int, int, int] | None:
-    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap.
+    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap
+    (``slot_max``: each slot's largest cost, ``by_slot[k, order[k, 0]]``).
 
     ``extra``: (per-sample amount, per-bin totals, cap) of a second resource every change keeps."""
     members = np.flatnonzero(bin_of == a)
     top = by_slot[m, order[m, 0]]
-    slot_max = by_slot.max(axis=1)
     nb = A.size
     col = grid[:, m]
     # receivers: the real bins with the most headroom under their slot's maximum, and the lightest of
@@ -158,13 +161,15 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
     pool = np.flatnonzero(ok)
     if not pool.size:
         return None
+    is_recv = np.zeros(nb, dtype=bool)
     if pool.size > 2 * _RECEIVERS:
         mine = pool[slot_of[pool] == m]
-        free = pool[np.argpartition(-head[pool], _RECEIVERS)[:_RECEIVERS]]
-        light = mine if mine.size <= _RECEIVERS else mine[np.argpartition(C[mine], _RECEIVERS)[:_RECEIVERS]]
-        recv = np.union1d(free, light)
+        is_recv[pool[np.argpartition(-head[pool], _RECEIVERS)[:_RECEIVERS]]] = True
+        is_recv[mine if mine.size <= _RECEIVERS else mine[np.argpartition(C[mine], _RECEIVERS)[:_RECEIVERS]]] = True
+        recv = np.flatnonzero(is_recv)  # the union, ascending
     else:
         recv = pool
+        is_recv[recv] = True
     rest_m = _rest_of_slot(by_slot[m], order[m], col, recv)  # slot m's max without a and the receiver
     same = slot_of[recv] == m
     ci, li = costs[members], lens[members]
@@ -183,8 +188,6 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
         if k is not None:
             i, bj = divmod(k, recv.size)
             best = (float(delta.flat[k]), int(members[i]), int(recv[bj]), -1)
-    is_recv = np.zeros(nb, dtype=bool)
-    is_recv[recv] = True
     others = np.flatnonzero(is_recv[bin_of])
     if others.size:  # swaps: sample i of a <-> a lighter sample j of another bin
         ob = bin_of[others]
