@@ -433,3 +433,20 @@ def test_micro_tree_segments_start_only_where_paths_branch(data, frac, multiple)
     for i in members[:3].tolist():
         lone = micro_tree(parent, shared, lens, [i], rules=RowRules(multiple, 4))
         assert lone.start.tolist() == [0] and lone.end.tolist() == [int(lens[i])]
+
+
+@given(data=forests(), limits=st.lists(st.integers(1, 150), min_size=2, max_size=4),
+       multiple=st.sampled_from([1, 1, 2, 8]))
+def test_one_step_trees_cut_at_many_limits_equals_fresh_cuts(data, limits, multiple):
+    """The planner finds a step's trees once (``step_trees``) and cuts them at several limits (the
+    granularity candidates): each cut equals ``cut_trees`` at that limit from scratch, whatever
+    was cut before (a cut that wrote into the shared trees would change the next)."""
+    from microplan.trie import step_trees
+    rng, (parent, shared, lens) = data
+    samples = rng.permutation(parent.size)[: max(1, int(rng.integers(1, parent.size + 1)))]
+    st_ = step_trees(parent, shared, lens, samples, multiple=multiple)
+    for limit in limits + limits[:1]:
+        got, fresh = st_.cut(limit), cut_trees(parent, shared, lens, samples, limit, multiple=multiple)
+        for f in fresh._fields:
+            assert getattr(got, f).dtype == getattr(fresh, f).dtype
+            assert np.array_equal(getattr(got, f), getattr(fresh, f)), (limit, f)

@@ -22,7 +22,8 @@ This module reads a plan's parts (batch, config, steps), never the ``Plan`` clas
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import NamedTuple
+from dataclasses import replace
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -39,7 +40,7 @@ from .stages.pipeline import BACKWARD_RATIO, step_pipeline_time
 from .types import PlanStats, Step, StepStats
 
 __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bound", "k_lower_bound",
-           "split_lower_bound"]
+           "split_lower_bound", "unshared_step_bound"]
 
 
 def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
@@ -120,6 +121,18 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
     return best_lower_bound(costs, lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=view,
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+
+
+def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint, *,
+                        with_k: bool = False) -> Any:
+    """The ``time_lower_bound`` that the plan of ``cfg`` without ``share_prefixes`` reports for a
+    step of samples ``idx`` (``fp``: the config's footprint, which sharing does not change): a lower
+    bound of that plan's predicted time for the step when it keeps every sample. ``with_k``: with
+    the step's ``micro_count_lower_bound`` too (a pair)."""
+    flat = replace(cfg, share_prefixes=False)
+    k_lb = k_lower_bound(flat, int(idx.size), int(fp.sample_tokens[idx].sum()), fp.vision(idx))
+    lb = step_lower_bound(batch, flat, idx, k_lb, fp)
+    return (lb, k_lb) if with_k else lb
 
 
 def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint | None = None, *,

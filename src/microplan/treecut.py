@@ -30,9 +30,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .trie_sets import _distinct, _i64, _links, _unique_inverse, set_tries
+from .trie_sets import TrieSets, _distinct, _i64, _links, _unique_inverse, set_tries
 
-__all__ = ["TreeCut", "cut_trees"]
+__all__ = ["TreeCut", "StepTrees", "cut_trees", "step_trees"]
 
 
 class TreeCut(NamedTuple):
@@ -262,6 +262,50 @@ class _Cutter:
         return True
 
 
+class StepTrees(NamedTuple):
+    """What :func:`cut_trees` finds before it reads the limit (the step's trees and each tree's
+    padded trie): :func:`step_trees` once per step, then :meth:`cut` at any number of limits."""
+
+    parent: np.ndarray
+    shared: np.ndarray
+    lens: np.ndarray
+    samples: np.ndarray   # as given (distinct global ids)
+    multiple: int
+    ep: np.ndarray
+    start: np.ndarray
+    uniq: np.ndarray      # the samples ascending
+    near: np.ndarray      # per uniq: nearest member ancestor (-1: a tree root)
+    root: np.ndarray      # per uniq: its tree's root
+    roots: np.ndarray     # per tree: its root
+    tree: np.ndarray      # per uniq: its tree
+    exact: TrieSets       # per tree: its whole trie (padded segments)
+
+    def cut(self, limit: int) -> TreeCut:
+        """``cut_trees(parent, shared, lens, samples, limit, multiple=multiple)``."""
+        return _cut(self, int(limit))
+
+
+def step_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples: Sequence[int] | np.ndarray, *,
+               multiple: int = 1) -> StepTrees:
+    """The trees of ``samples`` and their whole tries (see :func:`cut_trees`): O(N log depth) numpy
+    and one ``set_tries``."""
+    parent, shared, lens = _i64(parent), _i64(shared), _i64(lens)
+    samples = _i64(samples)
+    m = int(multiple)
+    ep, start = _links(parent, shared)
+    uniq = _distinct(samples)
+    if uniq.size == 0:
+        z = np.zeros(0, dtype=np.int64)
+        return StepTrees(parent, shared, lens, samples, m, ep, start, z, z, z, z, z, TrieSets(z, np.zeros(0)))
+    is_member = np.zeros(parent.size, dtype=bool)
+    is_member[uniq] = True
+    ab = _above(ep, is_member)
+    near, root = ab.near[uniq], ab.root[uniq]
+    roots, tree = _unique_inverse(root)
+    exact = set_tries(parent, shared, lens, uniq, tree, roots.size, multiple=m)
+    return StepTrees(parent, shared, lens, samples, m, ep, start, uniq, near, root, roots, tree, exact)
+
+
 def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples: Sequence[int] | np.ndarray,
               limit: int, *, multiple: int = 1) -> TreeCut:
     """Atoms of ``samples`` (distinct global ids): their prefix trees (grouped as
@@ -270,23 +314,20 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
     fits a fresh part starts one, a larger one is split at its own branches; a sample longer
     than ``limit`` is a part of its own. Atoms are numbered by tree root, parts in depth-first
     order (``stages/share._atoms``' order). Cost: O(N log depth) numpy to find the trees, one
-    ``set_tries`` for the whole ones, O(members + ancestors climbed) Python for the cut ones
-    (O(1) per sample on a chain).
+    ``set_tries`` for the whole ones (both shared by every limit through :func:`step_trees`),
+    O(members + ancestors climbed) Python for the cut ones (O(1) per sample on a chain).
     """
-    parent, shared, lens = _i64(parent), _i64(shared), _i64(lens)
-    samples = _i64(samples)
-    m = int(multiple)
-    ep, start = _links(parent, shared)
-    uniq = _distinct(samples)
+    return step_trees(parent, shared, lens, samples, multiple=multiple).cut(limit)
+
+
+def _cut(st: StepTrees, limit: int) -> TreeCut:
+    """The atoms of :func:`cut_trees` at ``limit`` from the step's trees."""
+    parent, shared, lens, m = st.parent, st.shared, st.lens, st.multiple
+    ep, start, uniq, near, root, roots, tree, exact = st.ep, st.start, st.uniq, st.near, st.root, st.roots, st.tree, \
+        st.exact
     if uniq.size == 0:
         z = np.zeros(0, dtype=np.int64)
         return TreeCut(z, z, np.zeros(0), z)
-    is_member = np.zeros(parent.size, dtype=bool)
-    is_member[uniq] = True
-    ab = _above(ep, is_member)
-    near, root = ab.near[uniq], ab.root[uniq]
-    roots, tree = _unique_inverse(root)
-    exact = set_tries(parent, shared, lens, uniq, tree, roots.size, multiple=m)
     whole = exact.tokens <= limit
     local = np.zeros(uniq.size, dtype=np.int64)      # each member's part within its tree
     count = np.ones(roots.size, dtype=np.int64)       # parts per tree
@@ -323,17 +364,36 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
     first = np.full(A, np.iinfo(np.int64).max, dtype=np.int64)
     w = offset[whole]
     tokens[w], dsq[w], first[w] = exact.tokens[whole], exact.depth_sq[whole], roots[whole]
-    if star.any():   # star parts: one trie count for all; first = least member (root, then children in order)
+    if star.any():   # star parts: their tries in closed form; first = least member (root, then children in order)
         sm = np.flatnonzero(star[tree])
-        cnt = set_tries(parent, shared, lens, uniq[sm], atom_u[sm], A)
         at = _distinct(atom_u[sm])
-        tokens[at], dsq[at] = cnt.tokens[at], cnt.depth_sq[at]
+        tokens[at], dsq[at] = _star_parts(sm, atom_u, uniq, near, shared, lens, A, at)
         np.minimum.at(first, atom_u[sm], uniq[sm])
     for t, ps in parts_of.items():
         for q, part in enumerate(ps):
             a = int(offset[t]) + q
             tokens[a], dsq[a], first[a] = part.tokens, part.dsq, part.members[0]
-    return TreeCut(atom_u[np.searchsorted(uniq, samples)], tokens, dsq, first)
+    return TreeCut(atom_u[np.searchsorted(st.uniq, st.samples)], tokens, dsq, first)
+
+
+def _star_parts(sm: np.ndarray, atom_u: np.ndarray, uniq: np.ndarray, near: np.ndarray, shared: np.ndarray,
+                lens: np.ndarray, A: int, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, depth_sq) of the star parts ``at`` (members ``sm``, multiple 1): a part holds the
+    root's positions [0, H) — H = L_root when the root is in it, else the longest prefix a child
+    shares with the root — and each child c's own [s_c, L_c), so tokens = H + Σ (L_c − s_c) and
+    depth_sq = H² + Σ (L_c² − s_c²) (``set_tries`` of the part, exactly: integers)."""
+    a, x = atom_u[sm], uniq[sm]
+    kid = near[sm] >= 0
+    L = lens[x]
+    s = np.where(kid, np.minimum(shared[x], L), 0)       # a root reaches its own L (s = 0, counted in H)
+    H = np.zeros(A, dtype=np.int64)
+    np.maximum.at(H, a, np.where(kid, s, L))
+    own = np.where(kid, L - s, 0)
+    tok = np.zeros(A, dtype=np.int64)
+    np.add.at(tok, a, own)
+    sq = np.zeros(A, dtype=np.int64)
+    np.add.at(sq, a, np.where(kid, L * L - s * s, 0))
+    return (H + tok)[at], (H * H + sq)[at].astype(np.float64)
 
 
 _STAR_MAX = 64   # stars with more children are cut by the Python greedy (fewer, longer lockstep rounds)

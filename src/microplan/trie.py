@@ -14,8 +14,8 @@ The planner needs that for thousands of sets per step (one per sample, per tree,
 3. ``cut_trees`` (``treecut.py``): a step's trees, whole or cut into parts of bounded size.
 
 This module is the public face of the three (it re-exports ``set_tries``, ``TrieSets``,
-``forest_depths``, ``cut_trees`` and ``TreeCut``); ``trie_sets.py`` sits below both it and
-``treecut.py``, so the imports form no circle.
+``forest_depths``, ``cut_trees``, ``step_trees``, ``StepTrees`` and ``TreeCut``); ``trie_sets.py``
+sits below both it and ``treecut.py``, so the imports form no circle.
 
 Padding: ``set_tries(..., multiple=m)`` pads every *owner* segment to ceil(len/m)·m tokens: a
 bound of the row the packer can add up over sets (the union of two sets has at most the owner
@@ -36,10 +36,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from .prefix import PrefixTree, RowRules, flat_tree, flat_wins, merge_runs
-from .treecut import TreeCut, cut_trees
+from .treecut import StepTrees, TreeCut, cut_trees, step_trees
 from .trie_sets import TrieSets, _Look, _NARROW, _distinct, _i64, _int_bincount, _links, _pad, forest_depths, set_tries
 
-__all__ = ["TrieSets", "TreeCut", "set_tries", "row_tries", "cut_trees", "forest_depths", "micro_trees"]
+__all__ = ["TrieSets", "TreeCut", "StepTrees", "set_tries", "row_tries", "cut_trees", "step_trees", "forest_depths",
+           "micro_trees"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
-from ..trie import TreeCut, cut_trees, set_tries
+from ..trie import StepTrees, TreeCut, set_tries, step_trees
 from .context import PlanContext
 
 __all__ = ["Atoms", "sample_atoms", "tree_atoms"]
@@ -81,9 +81,10 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
                  None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes, True)
 
 
-def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
+def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, trees: list[StepTrees] | None = None) -> Atoms:
     """Prefix trees of the step cut into parts of at most ``limit`` trie tokens (per owner rank
-    under local placement)."""
+    under local placement). ``trees``: a list kept by the caller across limits of one step (empty
+    at first), where the trees of each owner group are found once (``trie.step_trees``)."""
     cfg, fp, b = ctx.cfg, ctx.fp, ctx.batch
     cost = cfg.cost
     if not hasattr(cost, "tree_costs"):
@@ -92,9 +93,12 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int) -> Atoms:
     groups = [samples] if ctx.owner is None else \
         [samples[ctx.owner[samples] == r] for r in np.unique(ctx.owner[samples]).tolist()]
     mult = fp.padding.sample_multiple
+    trees = [] if trees is None else trees
+    if not trees:
+        trees.extend(step_trees(ctx.parent, ctx.shared, b.seq_lens, g, multiple=mult) for g in groups)
     atom_of, tokens, dsq, owner, base = [], [], [], [], 0
-    for g in groups:
-        cut = _vision_safe(cut_trees(ctx.parent, ctx.shared, b.seq_lens, g, limit, multiple=mult), g, ctx)
+    for g, st in zip(groups, trees):
+        cut = _vision_safe(st.cut(limit), g, ctx)
         atom_of.append(cut.atom_of + base)
         tokens.append(cut.tokens)
         dsq.append(cut.depth_sq)

@@ -29,16 +29,21 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..cost.models import is_additive
 from ..errors import PlanError
+from ..stats import unshared_step_bound
+from ..trie import StepTrees
 from .atoms import Atoms, sample_atoms, tree_atoms
 from .cp_degrees import group_room
 from .context import PlanContext
 from .fit import effective_cap
 from .place import Layout, lay_out
 
-__all__ = ["best_layout", "CUT_FRACTIONS"]
+__all__ = ["best_layout", "CUT_FRACTIONS", "PER_SAMPLE_SLACK"]
 
 CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
+_MARGIN = 1e-9  # relative: a candidate beats the unshared bound only by more than rounding
+PER_SAMPLE_SLACK = 0.02  # the most a skipped per-sample candidate could have been faster (relative)
 
 
 def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
@@ -67,7 +72,8 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
     micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``."""
     cap = effective_cap(ctx.cfg)
     assert cap is not None  # share_prefixes needs dynamic batching (config.py)
-    atoms = [tree_atoms(samples, ctx, cap)]
+    trees: list[StepTrees] = []  # the step's trees, found once for every limit
+    atoms = [tree_atoms(samples, ctx, cap, trees)]
     per_sample = sample_atoms(samples, ctx)
     first = attempt(atoms[0]) or attempt(per_sample)
     if first is None:
@@ -79,12 +85,59 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
             tried.add(limit)
-            atoms.append(tree_atoms(samples, ctx, limit))
-            cands.append(attempt(atoms[-1]))  # type: ignore[arg-type]
+            cut = tree_atoms(samples, ctx, limit, trees)
+            if any(_same_atoms(cut, a) for a in atoms):
+                continue  # the same atoms lay out the same: nothing new to try
+            atoms.append(cut)
+            cands.append(attempt(cut))  # type: ignore[arg-type]
     atoms.append(per_sample)
-    if first.atoms is not per_sample:
+    cands = [c for c in cands if c is not None]
+    if first.atoms is not per_sample and not _skip_per_sample(cands, samples, ctx, trees):
         cands.append(attempt(per_sample))  # type: ignore[arg-type]
     return atoms, [c for c in cands if c is not None]
+
+
+def _same_atoms(a: Atoms, b: Atoms) -> bool:
+    """Whether two tree cuts of one step are the same atoms (same members, order and sizes)."""
+    return a.size == b.size and np.array_equal(a.ptr, b.ptr) and np.array_equal(a.members, b.members) \
+        and np.array_equal(a.tokens, b.tokens)
+
+
+def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext, trees: list[StepTrees]) -> bool:
+    """Whether the per-sample candidate cannot matter (module note): a candidate ``short_step`` may
+    keep is predicted faster than the unshared plan's lower bound (``stats.unshared_step_bound``), so
+    the guarantee holds without it, and within ``PER_SAMPLE_SLACK`` of the least time any sharing
+    layout of the step could have (:func:`_sharing_floor`), so it could have won by no more. Not
+    under a byte budget (the shared and unshared plans choose their own token caps)."""
+    if ctx.cfg.memory is not None:
+        return False
+    keep = cands if ctx.cfg.short_step == "pad" else [c for c in cands if c.placeholders == 0]
+    if not keep:
+        return False
+    best = min(c.run_time for c in keep)
+    unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, with_k=True)
+    if not best < unshared * (1 - _MARGIN):
+        return False
+    floor = _sharing_floor(trees, samples, ctx, k_lb)
+    return floor is not None and best <= floor * (1 + PER_SAMPLE_SLACK)
+
+
+def _sharing_floor(trees: list[StepTrees], samples: np.ndarray, ctx: PlanContext, k_lb: int) -> float | None:
+    """A lower bound of the per-sample candidate's predicted step time, or None where not derived
+    (a cost with a packed-row term, padding multiples, context parallel). Its K is the unshared
+    plan's (it packs what that plan packs), at least ``k_lb``; every GPU-slot costs at least
+    ``per_micro``; every token of each tree's trie runs in some micro-batch at least once (a
+    bin's row holds at least the trie of its samples; under local placement a bin holds one
+    owner's samples), priced by the cost's additive ``tree_costs``; so Σ_m max_r and max_r Σ_m
+    are both at least (Σ tries' cost + vision) / dp_size + k_lb · per_micro."""
+    cfg = ctx.cfg
+    cost = cfg.cost
+    if not is_additive(cost) or ctx.fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:  # type: ignore[arg-type]
+        return None
+    work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum()) for t in trees)  # type: ignore[union-attr]
+    if ctx.fp.vision_costs is not None:
+        work += float(ctx.fp.vision_costs[samples].sum())
+    return work / cfg.dp_size + k_lb * float(cost.per_micro)  # type: ignore[union-attr]
 
 
 def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:

@@ -1,0 +1,180 @@
+"""Which granularity candidates a sharing step lays out (stages/granularity.py, docs/prefix.md).
+
+The per-sample candidate exists to match the unshared plan; it is skipped when a candidate the
+``short_step`` rule may keep is already predicted faster than the unshared plan's lower bound
+(``stats.unshared_step_bound``), which must then be a true lower bound of the unshared plan's
+step time: checked here per step over test_compose's compositions (the options sharing plans
+under) and fuzz_share's draws. A tree cut whose atoms equal an earlier candidate's is not laid
+out again. Sharing never hurts stays tests/test_share_never_hurts.py's property.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import event, given, note
+from hypothesis import strategies as st
+from test_compose import _config, batches, options
+
+import microplan as mp
+from benchmarks.fuzz_share import draw_case
+from microplan.footprint import footprint_of
+from microplan.stages import granularity
+from microplan.stats import unshared_step_bound
+from microplan.traces import generate
+
+REL = 1e-9
+
+
+def _check_bound(b: mp.Batch, cfg: mp.PlanConfig) -> None:
+    """Every step of the unshared plan: its predicted time is at least the bound, which is the
+    bound the plan's stats report for that step."""
+    try:
+        p = mp.plan(b, cfg)
+    except mp.PlanError:
+        event("refused unshared")
+        return
+    event("planned unshared")
+    fp = footprint_of(b, cfg)
+    for step, s in zip(p.steps, p.stats.steps):
+        own = s.lockstep_time if cfg.sync == "micro" else s.step_sync_time
+        lb = unshared_step_bound(b, replace(cfg, share_prefixes=True), step.samples, fp)
+        assert lb == s.time_lower_bound
+        assert lb <= own * (1 + REL), (lb, own)
+
+
+@given(bd=batches(), o=options())
+def test_unshared_bound_is_below_every_unshared_step_over_compositions(bd, o):
+    b, dp = bd
+    o = dict(o, share=False, layout="varlen", static=False)  # where sharing plans (docs/planner.md's table)
+    note(f"options: {o}")
+    try:
+        cfg = _config(o, dp)
+        replace(cfg, share_prefixes=True)
+    except mp.PlanError:
+        return
+    _check_bound(b, cfg)
+
+
+@given(seed=st.integers(0, 2**31))
+def test_unshared_bound_is_below_every_unshared_step_over_fuzz_share(seed):
+    b, kw, o = draw_case(np.random.default_rng(seed), dynamic_cp=False)
+    note(f"options: {o}")
+    try:
+        cfg = mp.PlanConfig(share_prefixes=False, **kw)
+        replace(cfg, share_prefixes=True)
+    except mp.PlanError:
+        return  # refused either way
+    _check_bound(b, cfg)
+
+
+def _laid_out(monkeypatch, b: mp.Batch, cfg: mp.PlanConfig) -> tuple[mp.Plan, list]:
+    seen = []
+    real = granularity.lay_out
+
+    def spy(s, atoms, ctx, **kw):
+        seen.append(atoms)
+        return real(s, atoms, ctx, **kw)
+    monkeypatch.setattr(granularity, "lay_out", spy)
+    return mp.plan(b, cfg), seen
+
+
+@pytest.mark.parametrize("short_step", ["pad", "error", "drop"])
+def test_per_sample_candidate_skipped_when_trees_beat_the_unshared_bound(monkeypatch, short_step):
+    """GRPO groups sharing long prompts: whole trees are predicted below any unshared plan and
+    within PER_SAMPLE_SLACK of the least time any sharing layout could have, so the per-sample
+    candidate is not laid out, and the plan is still faster than unshared."""
+    b = generate("grpo-longtail", num_prompts=64, samples_per_prompt=8, max_len=8192, seed=3)
+    kw = dict(dp_size=2, max_tokens_per_micro=16384, cost=mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=256.0),
+              short_step=short_step)
+    flat = mp.plan(b, mp.PlanConfig(**kw))
+    plan, seen = _laid_out(monkeypatch, b, mp.PlanConfig(share_prefixes=True, **kw))
+    assert seen and not any(a.one_each for a in seen)
+    assert plan.stats.predicted_time < flat.stats.time_lower_bound <= flat.stats.predicted_time
+
+
+def test_per_sample_candidate_kept_where_it_could_win_by_more_than_the_slack(monkeypatch):
+    """fuzz_share --seed 0 --case 2521: the trees beat the unshared bound, but sit more than
+    PER_SAMPLE_SLACK above the sharing floor; skipping on the unshared bound alone (slack
+    unbounded) gave a plan 1.3 % slower than the per-sample candidate's."""
+    b, kw, o = draw_case(np.random.default_rng([0, 2521]))
+    cfg = mp.PlanConfig(share_prefixes=True, **kw)
+    plan, seen = _laid_out(monkeypatch, b, cfg)
+    assert any(a.one_each for a in seen)
+    monkeypatch.setattr(granularity, "PER_SAMPLE_SLACK", float("inf"))
+    loose = mp.plan(b, cfg)
+    assert loose.stats.predicted_time > plan.stats.predicted_time * (1 + 1e-3)
+
+
+def test_per_sample_candidate_laid_out_when_nothing_is_shared(monkeypatch):
+    """No prefix shared: the tree candidates are the unshared plan at best, never below its bound,
+    so the per-sample candidate is laid out (it is what matches the unshared plan)."""
+    rng = np.random.default_rng(0)
+    b = mp.Batch(rng.integers(100, 4000, 200))
+    kw = dict(dp_size=4, max_tokens_per_micro=8192, cost=mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=256.0))
+    plan, seen = _laid_out(monkeypatch, b, mp.PlanConfig(share_prefixes=True, **kw))
+    assert any(a.one_each for a in seen)
+    assert plan.stats.predicted_time <= mp.plan(b, mp.PlanConfig(**kw)).stats.predicted_time * (1 + REL)
+
+
+def test_a_tree_cut_equal_to_the_whole_trees_is_not_laid_out_again(monkeypatch):
+    """Many small trees, several per micro-batch: the mean micro-batch load is below the largest
+    bin, so cut limits are tried, but no tree exceeds them: the cuts are the whole trees, laid out
+    once."""
+    lens = np.tile([60, 70, 80, 90], 64)
+    parent = np.where(np.arange(lens.size) % 4 == 0, -1, np.arange(lens.size) - np.arange(lens.size) % 4)
+    shared = np.where(parent >= 0, 50, 0)
+    b = mp.Batch(lens, prefix_parent=parent, shared_prefix_lens=shared)
+    kw = dict(dp_size=2, max_tokens_per_micro=1000)
+    plan, seen = _laid_out(monkeypatch, b, mp.PlanConfig(share_prefixes=True, **kw))
+    trees = [a for a in seen if not a.one_each]
+    assert len(trees) == 1 and int(trees[0].tokens.max()) < 200
+    plan.validate()
+
+
+def _check_floor(b: mp.Batch, cfg: mp.PlanConfig) -> None:
+    """The sharing floor is below the per-sample candidate's predicted time (its run_time)."""
+    from microplan.planner import _context
+    from microplan.stages.atoms import sample_atoms, tree_atoms
+    from microplan.stages.place import lay_out
+    try:
+        ctx = _context(b, cfg, None)
+        lay = lay_out(0, sample_atoms(np.arange(b.num_samples), ctx), ctx, short_step="pad")
+    except mp.PlanError:
+        event("refused")
+        return
+    samples = np.arange(b.num_samples)
+    trees: list = []
+    tree_atoms(samples, ctx, 10**9, trees)
+    _, k_lb = unshared_step_bound(b, cfg, samples, ctx.fp, with_k=True)
+    floor = granularity._sharing_floor(trees, samples, ctx, k_lb)
+    if floor is None:
+        event("no floor")
+        return
+    event("floor checked")
+    assert floor <= lay.run_time * (1 + REL), (floor, lay.run_time)
+
+
+@given(bd=batches(), o=options())
+def test_sharing_floor_is_below_the_per_sample_candidate_over_compositions(bd, o):
+    b, dp = bd
+    o = dict(o, share=True, layout="varlen", static=False, steps=None)
+    note(f"options: {o}")
+    try:
+        cfg = _config(o, dp)
+    except mp.PlanError:
+        return
+    _check_floor(b, cfg)
+
+
+@given(seed=st.integers(0, 2**31))
+def test_sharing_floor_is_below_the_per_sample_candidate_over_fuzz_share(seed):
+    b, kw, o = draw_case(np.random.default_rng(seed), dynamic_cp=False)
+    note(f"options: {o}")
+    try:
+        cfg = mp.PlanConfig(share_prefixes=True, **{**kw, "steps": None})
+    except mp.PlanError:
+        return
+    _check_floor(b, cfg)
