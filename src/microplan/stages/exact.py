@@ -21,6 +21,8 @@ balances cost without breaking the cap.
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 __all__ = ["first_fit_decreasing", "exact_pack", "EXACT_MAX_SAMPLES"]
@@ -61,20 +63,32 @@ def first_fit_decreasing(lens: np.ndarray, m: int, cap: int,
 
 
 def _fill_empty(bin_of: np.ndarray, lens: np.ndarray, load: np.ndarray, count: np.ndarray) -> np.ndarray | None:
-    """Each empty bin takes the shortest sample of the fullest bin holding two or more (None when
-    no bin does)."""
-    for b in np.flatnonzero(count == 0).tolist():  # give each empty bin one sample (a lone sample fits)
-        donors = np.flatnonzero(count >= 2)
-        if not donors.size:
+    """Each empty bin (ascending) takes the shortest sample (then the lowest index) of the fullest
+    bin (then the lowest) holding two or more (None when no bin does). A heap of the donors and each
+    bin's samples sorted once: a donor only loses samples, an empty bin never becomes one."""
+    empty = np.flatnonzero(count == 0).tolist()
+    if not empty:
+        return bin_of
+    by = np.lexsort((np.arange(lens.size), lens, bin_of))          # per bin: shortest first, then index
+    at = np.searchsorted(bin_of[by], np.arange(count.size)).tolist()  # each bin's next sample to give
+    by_l, lens_l, load_l, count_l = by.tolist(), lens.tolist(), load.tolist(), count.tolist()
+    heap = [(-load_l[d], d) for d in np.flatnonzero(count >= 2).tolist()]
+    heapq.heapify(heap)
+    for b in empty:
+        if not heap:
             return None
-        d = int(donors[np.argmax(load[donors])])
-        members = np.flatnonzero(bin_of == d)
-        s = int(members[np.argmin(lens[members])])
-        bin_of[s] = b
-        load[d] -= lens[s]
-        load[b] += lens[s]
-        count[d] -= 1
-        count[b] += 1
+        _, d = heapq.heappop(heap)
+        i = by_l[at[d]]
+        at[d] += 1
+        bin_of[i] = b
+        load_l[d] -= lens_l[i]
+        load_l[b] += lens_l[i]
+        count_l[d] -= 1
+        count_l[b] += 1
+        if count_l[d] >= 2:
+            heapq.heappush(heap, (-load_l[d], d))
+    load[:] = load_l
+    count[:] = count_l
     return bin_of
 
 
@@ -146,10 +160,20 @@ def _first_fits(lens: np.ndarray, order: np.ndarray, m: int, cap: int, bin_of: n
     bins as one masked search per sample. Per block of ``FFD_BLOCK`` samples the first bin with room
     for each is found at once (``searchsorted`` on the running maximum of room); bins before it
     lack room then and only lose room later, so it is the sample's first fit whenever it still has
-    room, and otherwise the first fit lies after it (one masked search from there)."""
+    room, and otherwise the first fit lies after it (one masked search from there). Samples over
+    half the cap (they lead the order) fit no bin that already holds one: the first of them into
+    bin 0, the next into bin 1, and so on, in one numpy step."""
     free = cap - load
+    big = int(np.count_nonzero(2 * lens > cap)) if not load.any() else 0
+    if big:  # the samples over half the cap come first, and no two share a bin: bins 0, 1, ... in order
+        if big > m or int(lens[order[0]]) > cap:
+            return False
+        head = order[:big]
+        bin_of[head] = np.arange(big)
+        free[:big] -= lens[head]
+        count[:big] += 1
     free_l = free.tolist()
-    for at in range(0, order.size, FFD_BLOCK):
+    for at in range(big, order.size, FFD_BLOCK):
         idx = order[at:at + FFD_BLOCK]
         ls = lens[idx]
         first = np.searchsorted(np.maximum.accumulate(free), ls, side="left").tolist()
