@@ -137,7 +137,7 @@ def test_a_tree_cut_equal_to_the_whole_trees_is_not_laid_out_again(monkeypatch):
 def _check_floor(b: mp.Batch, cfg: mp.PlanConfig) -> None:
     """The sharing floor is below the per-sample candidate's predicted time (its run_time)."""
     from microplan.planner import _context
-    from microplan.stages.atoms import sample_atoms, tree_atoms
+    from microplan.stages.atoms import StepForest, sample_atoms, tree_atoms
     from microplan.stages.place import lay_out
     try:
         ctx = _context(b, cfg, None)
@@ -146,10 +146,10 @@ def _check_floor(b: mp.Batch, cfg: mp.PlanConfig) -> None:
         event("refused")
         return
     samples = np.arange(b.num_samples)
-    trees: list = []
-    tree_atoms(samples, ctx, 10**9, trees)
+    forest = StepForest()
+    tree_atoms(samples, ctx, 10**9, forest)
     _, k_lb = unshared_step_bound(b, cfg, samples, ctx.fp, with_k=True)
-    floor = granularity._sharing_floor(trees, samples, ctx, k_lb)
+    floor = granularity._sharing_floor(forest.trees, samples, ctx, k_lb)
     if floor is None:
         event("no floor")
         return
@@ -178,3 +178,39 @@ def test_sharing_floor_is_below_the_per_sample_candidate_over_fuzz_share(seed):
     except mp.PlanError:
         return
     _check_floor(b, cfg)
+
+
+@given(seed=st.integers(0, 2**31), frac=st.sampled_from([0.3, 0.6, 1.0]), limit=st.integers(1, 200),
+       bins=st.integers(1, 8))
+def test_bin_tries_from_atoms_equal_the_bins_tries(seed, frac, limit, bins):
+    """A bin's trie from its atoms' own tries (atoms of distinct forest roots add up, bins with two
+    atoms of one root counted again) equals ``trie.row_tries`` of the bin's samples: any subset of
+    the batch (ancestors outside the step shared by several trees), cut at any limit, any bins."""
+    from microplan.planner import _context
+    from microplan.stages.atoms import bin_tries, tree_atoms
+    from microplan.trie import row_tries
+    rng = np.random.default_rng(seed)
+    b, kw, o = draw_case(rng, dynamic_cp=False)
+    try:
+        cfg = mp.PlanConfig(share_prefixes=True, **{**kw, "pad_to_multiple_of": 1, "pad_row_to_multiple_of": 1,
+                                                     "steps": None})
+        ctx = _context(b, cfg, None)
+    except mp.PlanError:
+        event("refused")
+        return
+    samples = np.flatnonzero(rng.random(b.num_samples) < frac)
+    if not samples.size:
+        return
+    atoms = tree_atoms(samples, ctx, limit)
+    kept = np.flatnonzero(rng.random(atoms.size) < 0.9)
+    bin_of = rng.integers(0, bins, kept.size)
+    got = bin_tries(atoms, kept, bin_of, bins, ctx)
+    assert got is not None
+    roots = atoms.component[kept] * bins + bin_of
+    event("a bin holds two atoms of one root" if np.unique(roots).size < roots.size else "roots distinct per bin")
+    members = atoms.samples_of(kept)
+    want = row_tries(ctx.parent, ctx.shared, b.seq_lens, members, np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept]),
+                     bins, rules=ctx.fp.row_rules())
+    assert got.tokens.dtype == want.tokens.dtype and got.depth_sq.dtype == want.depth_sq.dtype
+    np.testing.assert_array_equal(got.tokens, want.tokens)
+    np.testing.assert_array_equal(got.depth_sq, want.depth_sq)

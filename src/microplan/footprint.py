@@ -42,6 +42,7 @@ from .config import LAYOUTS, Layout, PlanConfig
 from .errors import PlanError
 from .fixes import too_long_fixes
 from .prefix import RowRules
+from .trie_sets import TrieSets
 
 from .cost.models import bin_costs as _bin_costs
 from .cost.models import row_costs
@@ -322,21 +323,23 @@ def _check_vision(fp: Footprint, config: PlanConfig) -> None:
 
 def bin_footprint(fp: Footprint, cost: CostModel, samples: np.ndarray, bin_of: np.ndarray, num_bins: int, *,
                   forest: tuple[np.ndarray, np.ndarray] | None = None,
-                  rules: RowRules | None = None) -> tuple[np.ndarray, np.ndarray]:
+                  rules: RowRules | None = None, tries: TrieSets | None = None) -> tuple[np.ndarray, np.ndarray]:
     """(tokens, cost) of every bin of samples: the footprint the cap counts and the predicted cost.
 
     ``forest`` (``prefix.forest_of``): the bins hold prefix tries (``share_prefixes``) — unique
     tokens, each trie segment padded to the sample multiple, the row to the row multiple, the
     row pad run as one more sequence, attention priced by each token's depth; a row laid out
     flat where that is smaller (``prefix.flat_wins`` under the plan's ``rules``, ``Footprint.row_rules``;
-    None: padding only). Without it: the
-    samples laid out under the layout's rules (:meth:`Footprint.bin_shape`).
+    None: padding only). ``tries``: each bin's row as ``trie.row_tries`` counts it, when the caller
+    has it (``stages/atoms.bin_tries``). Without ``forest``: the samples laid out under the
+    layout's rules (:meth:`Footprint.bin_shape`).
     """
     if forest is None:
         return fp.bin_shape(cost, samples, bin_of, num_bins)
-    from .trie import row_tries
-    tries = row_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
-                      rules=fp.row_rules() if rules is None else rules)
+    if tries is None:
+        from .trie import row_tries
+        tries = row_tries(forest[0], forest[1], fp.seq_lens, samples, bin_of, num_bins,
+                          rules=fp.row_rules() if rules is None else rules)
     U = tries.tokens
     tokens = round_up(U, fp.padding.row_multiple)
     pad = tokens - U

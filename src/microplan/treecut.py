@@ -32,7 +32,7 @@ import numpy as np
 
 from .trie_sets import TrieSets, _distinct, _i64, _links, _unique_inverse, set_tries
 
-__all__ = ["TreeCut", "StepTrees", "cut_trees", "step_trees"]
+__all__ = ["TreeCut", "StepTrees", "cut_trees", "step_trees", "forest_roots"]
 
 
 class TreeCut(NamedTuple):
@@ -63,6 +63,13 @@ def _above(ep: np.ndarray, is_member: np.ndarray) -> _Above:
     near = ep[end]                     # a member or -1
     root = _last(np.where(near >= 0, near, idx))
     return _Above(near, root)
+
+
+def forest_roots(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
+    """Per sample, the root of its prefix tree in the whole forest (climbing every link that shares
+    a token, members of a step or not): samples of different roots share no token. O(N log depth)."""
+    ep, _ = _links(_i64(parent), _i64(shared))
+    return _last(np.where(ep >= 0, ep, np.arange(ep.size, dtype=np.int64)))
 
 
 def _last(step: np.ndarray) -> np.ndarray:

@@ -14,7 +14,7 @@ The planner needs that for thousands of sets per step (one per sample, per tree,
 3. ``cut_trees`` (``treecut.py``): a step's trees, whole or cut into parts of bounded size.
 
 This module is the public face of the three (it re-exports ``set_tries``, ``TrieSets``,
-``forest_depths``, ``cut_trees``, ``step_trees``, ``StepTrees`` and ``TreeCut``); ``trie_sets.py``
+``forest_depths``, ``forest_roots``, ``cut_trees``, ``step_trees``, ``StepTrees`` and ``TreeCut``); ``trie_sets.py``
 sits below both it and ``treecut.py``, so the imports form no circle.
 
 Padding: ``set_tries(..., multiple=m)`` pads every *owner* segment to ceil(len/m)·m tokens: a
@@ -36,11 +36,11 @@ from collections.abc import Sequence
 import numpy as np
 
 from .prefix import PrefixTree, RowRules, flat_tree, flat_wins, merge_runs
-from .treecut import StepTrees, TreeCut, cut_trees, step_trees
+from .treecut import StepTrees, TreeCut, cut_trees, forest_roots, step_trees
 from .trie_sets import TrieSets, _Look, _NARROW, _distinct, _i64, _int_bincount, _links, _pad, forest_depths, set_tries
 
 __all__ = ["TrieSets", "TreeCut", "StepTrees", "set_tries", "row_tries", "cut_trees", "step_trees", "forest_depths",
-           "micro_trees"]
+           "forest_roots", "micro_trees"]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -28,10 +28,11 @@ from typing import NamedTuple
 import numpy as np
 
 from ..errors import PlanError
-from ..trie import StepTrees, TreeCut, set_tries, step_trees
+from ..prefix import RowRules
+from ..trie import StepTrees, TreeCut, TrieSets, forest_roots, set_tries, step_trees
 from .context import PlanContext
 
-__all__ = ["Atoms", "sample_atoms", "tree_atoms"]
+__all__ = ["Atoms", "StepForest", "bin_tries", "sample_atoms", "tree_atoms"]
 
 
 class Atoms(NamedTuple):
@@ -49,6 +50,9 @@ class Atoms(NamedTuple):
     trees: bool                   # True: a micro-batch of these atoms holds the trie of its samples
     one_each: bool = False        # known to hold one sample per atom (sample_atoms): ``single`` without the O(n) test
     flat_fit: bool = False        # trees packed as the unshared plan packs them: the fit prices flat rows
+    depth_sq: np.ndarray | None = None   # float64 tree atoms: the trie's Σ end² − start² (real tokens)
+    component: np.ndarray | None = None  # int64 tree atoms: the forest root above the atom (atoms of
+    #                                      different roots share no token)
 
     @property
     def size(self) -> int:
@@ -81,10 +85,18 @@ def sample_atoms(samples: np.ndarray, ctx: PlanContext) -> Atoms:
                  None if ctx.owner is None else ctx.owner[samples], vis, ctx.cfg.share_prefixes, True)
 
 
-def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, trees: list[StepTrees] | None = None) -> Atoms:
+class StepForest:
+    """What :func:`tree_atoms` finds once per step, whatever the limit: each owner group's trees
+    (``trie.step_trees``) and every sample's forest root (``trie.forest_roots``)."""
+
+    def __init__(self) -> None:
+        self.trees: list[StepTrees] = []
+        self.top: np.ndarray | None = None
+
+
+def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, forest: StepForest | None = None) -> Atoms:
     """Prefix trees of the step cut into parts of at most ``limit`` trie tokens (per owner rank
-    under local placement). ``trees``: a list kept by the caller across limits of one step (empty
-    at first), where the trees of each owner group are found once (``trie.step_trees``)."""
+    under local placement). ``forest``: kept by the caller across the limits of one step."""
     cfg, fp, b = ctx.cfg, ctx.fp, ctx.batch
     cost = cfg.cost
     if not hasattr(cost, "tree_costs"):
@@ -93,9 +105,11 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, trees: list[St
     groups = [samples] if ctx.owner is None else \
         [samples[ctx.owner[samples] == r] for r in np.unique(ctx.owner[samples]).tolist()]
     mult = fp.padding.sample_multiple
-    trees = [] if trees is None else trees
-    if not trees:
-        trees.extend(step_trees(ctx.parent, ctx.shared, b.seq_lens, g, multiple=mult) for g in groups)
+    forest = StepForest() if forest is None else forest
+    if forest.top is None:
+        forest.trees = [step_trees(ctx.parent, ctx.shared, b.seq_lens, g, multiple=mult) for g in groups]
+        forest.top = forest_roots(ctx.parent, ctx.shared)
+    trees = forest.trees
     atom_of, tokens, dsq, owner, base = [], [], [], [], 0
     for g, st in zip(groups, trees):
         cut = _vision_safe(st.cut(limit), g, ctx)
@@ -110,13 +124,41 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, trees: list[St
     members = np.concatenate(groups)[order]
     tok = np.concatenate(tokens).astype(np.int64)
     ptr = np.concatenate([[0], np.cumsum(np.bincount(a_of, minlength=base))]).astype(np.int64)
-    costs = cost.tree_costs(tok.astype(np.float64), np.concatenate(dsq))  # type: ignore[attr-defined]
+    depth_sq = np.concatenate(dsq)
+    costs = cost.tree_costs(tok.astype(np.float64), depth_sq)  # type: ignore[attr-defined]
     if fp.vision_costs is not None:
         costs = costs + np.bincount(a_of, weights=fp.vision_costs[np.concatenate(groups)], minlength=base)
     vis = None if ctx.vision_cap is None else \
         np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
-    return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), members[ptr[:-1]], members, ptr,
-                 np.concatenate(owner) if owner else None, vis, True)
+    label = members[ptr[:-1]]
+    return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), label, members, ptr,
+                 np.concatenate(owner) if owner else None, vis, True, depth_sq=depth_sq,
+                 component=forest.top[label])
+
+
+def bin_tries(atoms: Atoms, kept: np.ndarray, bin_of: np.ndarray, num_bins: int, ctx: PlanContext) -> TrieSets | None:
+    """The trie of each bin of tree atoms (``kept`` atoms in bins ``bin_of``) as ``footprint.bin_footprint``
+    counts it, from the atoms' own tries: atoms under different forest roots share no token, so a bin
+    whose atoms have distinct roots holds the sum of their tokens and depth_sq; only bins holding two
+    atoms of one root are counted by ``set_tries``. None where the row is not the bare trie (padding
+    multiples, which pad runs and lay rows flat) or the atoms carry no tries."""
+    if atoms.component is None or atoms.depth_sq is None or ctx.fp.row_rules() != RowRules():
+        return None
+    tokens = np.bincount(bin_of, weights=atoms.tokens[kept], minlength=num_bins).astype(np.int64)
+    dsq = np.bincount(bin_of, weights=atoms.depth_sq[kept], minlength=num_bins).astype(np.float64)
+    root = atoms.component[kept]
+    o = np.lexsort((root, bin_of))
+    bo, ro = bin_of[o], root[o]
+    shared = np.unique(bo[1:][(bo[1:] == bo[:-1]) & (ro[1:] == ro[:-1])])
+    if shared.size:  # bins where two atoms of one tree may share their root path again
+        again = np.zeros(num_bins, dtype=bool)
+        again[shared] = True
+        sel = kept[again[bin_of]]
+        members = atoms.samples_of(sel)
+        set_of = np.searchsorted(shared, np.repeat(bin_of[again[bin_of]], atoms.ptr[sel + 1] - atoms.ptr[sel]))
+        t = set_tries(ctx.parent, ctx.shared, ctx.batch.seq_lens, members, set_of, int(shared.size))
+        tokens[shared], dsq[shared] = t.tokens, t.depth_sq
+    return TrieSets(tokens, dsq)
 
 
 def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:

@@ -33,7 +33,7 @@ from ..cost.models import is_additive
 from ..errors import PlanError
 from ..stats import unshared_step_bound
 from ..trie import StepTrees
-from .atoms import Atoms, sample_atoms, tree_atoms
+from .atoms import Atoms, StepForest, sample_atoms, tree_atoms
 from .cp_degrees import group_room
 from .context import PlanContext
 from .fit import effective_cap
@@ -72,8 +72,8 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
     micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``."""
     cap = effective_cap(ctx.cfg)
     assert cap is not None  # share_prefixes needs dynamic batching (config.py)
-    trees: list[StepTrees] = []  # the step's trees, found once for every limit
-    atoms = [tree_atoms(samples, ctx, cap, trees)]
+    forest = StepForest()  # the step's trees, found once for every limit
+    atoms = [tree_atoms(samples, ctx, cap, forest)]
     per_sample = sample_atoms(samples, ctx)
     first = attempt(atoms[0]) or attempt(per_sample)
     if first is None:
@@ -85,14 +85,14 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
             tried.add(limit)
-            cut = tree_atoms(samples, ctx, limit, trees)
+            cut = tree_atoms(samples, ctx, limit, forest)
             if any(_same_atoms(cut, a) for a in atoms):
                 continue  # the same atoms lay out the same: nothing new to try
             atoms.append(cut)
             cands.append(attempt(cut))  # type: ignore[arg-type]
     atoms.append(per_sample)
     cands = [c for c in cands if c is not None]
-    if first.atoms is not per_sample and not _skip_per_sample(cands, samples, ctx, trees):
+    if first.atoms is not per_sample and not _skip_per_sample(cands, samples, ctx, forest.trees):
         cands.append(attempt(per_sample))  # type: ignore[arg-type]
     return atoms, [c for c in cands if c is not None]
 

@@ -37,7 +37,7 @@ from ..fixes import too_long_fixes
 from ..footprint import bin_footprint
 from ..types import KChoice
 from .assign import arrange, grid_time
-from .atoms import Atoms
+from .atoms import Atoms, bin_tries
 from .context import PlanContext
 from .cp import fit_dynamic_cp
 from .cp_units import atom_units, describe_atom, sample_units
@@ -111,7 +111,9 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
     sample_bin = bin_of if single else np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
     forest = (ctx.parent, ctx.shared) if atoms.trees else None
     nb = D * K if f.width is None else f.width.size
-    tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, nb, forest=forest)  # type: ignore[arg-type]
+    tries = bin_tries(atoms, kept, bin_of, nb, ctx) if atoms.trees and not single else None
+    tokens, costs = bin_footprint(ctx.fp, cfg.cost, samples, sample_bin, nb, forest=forest,  # type: ignore[arg-type]
+                                  tries=tries)
     if f.width is not None:  # dynamic CP: the fitter placed its groups and priced them (gpu_costs)
         assert f.grid is not None and f.time is not None
         time = f.time
