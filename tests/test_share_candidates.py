@@ -84,7 +84,7 @@ def _laid_out(monkeypatch, b: mp.Batch, cfg: mp.PlanConfig) -> tuple[mp.Plan, li
 @pytest.mark.parametrize("short_step", ["pad", "error", "drop"])
 def test_per_sample_candidate_skipped_when_trees_beat_the_unshared_bound(monkeypatch, short_step):
     """GRPO groups sharing long prompts: whole trees are predicted below any unshared plan and
-    within PER_SAMPLE_SLACK of the least time any sharing layout could have, so the per-sample
+    within SKIP_SLACK of the least time any sharing layout could have, so the per-sample
     candidate is not laid out, and the plan is still faster than unshared."""
     b = generate("grpo-longtail", num_prompts=64, samples_per_prompt=8, max_len=8192, seed=3)
     kw = dict(dp_size=2, max_tokens_per_micro=16384, cost=mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=256.0),
@@ -97,15 +97,56 @@ def test_per_sample_candidate_skipped_when_trees_beat_the_unshared_bound(monkeyp
 
 def test_per_sample_candidate_kept_where_it_could_win_by_more_than_the_slack(monkeypatch):
     """fuzz_share --seed 0 --case 2521: the trees beat the unshared bound, but sit more than
-    PER_SAMPLE_SLACK above the sharing floor; skipping on the unshared bound alone (slack
+    SKIP_SLACK above the sharing floor; skipping on the unshared bound alone (slack
     unbounded) gave a plan 1.3 % slower than the per-sample candidate's."""
     b, kw, o = draw_case(np.random.default_rng([0, 2521]))
     cfg = mp.PlanConfig(share_prefixes=True, **kw)
     plan, seen = _laid_out(monkeypatch, b, cfg)
     assert any(a.one_each for a in seen)
-    monkeypatch.setattr(granularity, "PER_SAMPLE_SLACK", float("inf"))
+    monkeypatch.setattr(granularity, "SKIP_SLACK", float("inf"))
     loose = mp.plan(b, cfg)
     assert loose.stats.predicted_time > plan.stats.predicted_time * (1 + 1e-3)
+
+
+def test_cut_candidates_skipped_when_whole_trees_sit_near_the_floor(monkeypatch):
+    """GRPO groups, whole trees within SKIP_SLACK of the sharing floor: no tree cut is laid out (nor
+    the per-sample candidate), and the plan is within SKIP_SLACK of the plan that lays every
+    candidate out."""
+    b = generate("grpo-longtail", num_prompts=64, samples_per_prompt=8, max_len=8192, seed=3)
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=16384, share_prefixes=True,
+                        cost=mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=256.0))
+    plan, seen = _laid_out(monkeypatch, b, cfg)
+    assert len(seen) == 1 and not seen[0].one_each
+    slack = granularity.SKIP_SLACK
+    monkeypatch.setattr(granularity, "SKIP_SLACK", -1.0)  # never reached: every candidate laid out
+    every, seen = _laid_out(monkeypatch, b, cfg)
+    assert len(seen) > 1
+    assert plan.stats.predicted_time <= every.stats.predicted_time * (1 + slack)
+
+
+@given(family=st.sampled_from(["grpo-longtail", "bimodal", "stepwise-multiturn"]), prompts=st.integers(4, 48),
+       dp=st.integers(1, 8), cap=st.sampled_from([16384, 32768]), sync=st.sampled_from(["micro", "step"]),
+       short=st.sampled_from(["pad", "drop", "error"]), seed=st.integers(0, 100))
+def test_skipping_candidates_costs_at_most_the_slack(family, prompts, dp, cap, sync, short, seed):
+    """The candidates the floor skips could each have been faster by at most SKIP_SLACK: the plan
+    is within it of the plan that lays every candidate out, and still never slower than unshared."""
+    b = generate(family, num_prompts=prompts, samples_per_prompt=4, max_len=8192, seed=seed)
+    kw = dict(dp_size=dp, max_tokens_per_micro=cap, sync=sync, short_step=short,
+              cost=mp.FlopsCost(linear=1.0, quadratic=1e-4, per_micro=256.0))
+    try:
+        flat = mp.plan(b, mp.PlanConfig(**kw))
+    except mp.PlanError:
+        return
+    cfg = mp.PlanConfig(share_prefixes=True, **kw)
+    plan = mp.plan(b, cfg)
+    with pytest.MonkeyPatch.context() as mpatch:
+        mpatch.setattr(granularity, "SKIP_SLACK", -1.0)
+        every = mp.plan(b, cfg)
+    event("same plan" if plan.fingerprint() == every.fingerprint() else "a skipped candidate would have won")
+    assert plan.dropped.size == every.dropped.size <= flat.dropped.size
+    assert plan.stats.predicted_time <= every.stats.predicted_time * (1 + granularity.SKIP_SLACK)
+    if plan.dropped.size == flat.dropped.size:
+        assert plan.stats.predicted_time <= flat.stats.predicted_time * (1 + REL)
 
 
 def test_per_sample_candidate_laid_out_when_nothing_is_shared(monkeypatch):
@@ -134,31 +175,43 @@ def test_a_tree_cut_equal_to_the_whole_trees_is_not_laid_out_again(monkeypatch):
     plan.validate()
 
 
-def _check_floor(b: mp.Batch, cfg: mp.PlanConfig) -> None:
-    """The sharing floor is below the per-sample candidate's predicted time (its run_time)."""
+def _check_floor(b: mp.Batch, cfg: mp.PlanConfig, frac: float) -> None:
+    """The sharing floor is below every candidate's predicted time (run_time): whole trees, trees
+    cut at a fraction of the cap, and one atom per sample (the last with the unshared plan's K)."""
     from microplan.planner import _context
     from microplan.stages.atoms import StepForest, sample_atoms, tree_atoms
+    from microplan.stages.fit import effective_cap
     from microplan.stages.place import lay_out
     try:
         ctx = _context(b, cfg, None)
-        lay = lay_out(0, sample_atoms(np.arange(b.num_samples), ctx), ctx, short_step="pad")
     except mp.PlanError:
         event("refused")
         return
     samples = np.arange(b.num_samples)
     forest = StepForest()
-    tree_atoms(samples, ctx, 10**9, forest)
-    _, k_lb = unshared_step_bound(b, cfg, samples, ctx.fp, with_k=True)
-    floor = granularity._sharing_floor(forest.trees, samples, ctx, k_lb)
-    if floor is None:
-        event("no floor")
-        return
-    event("floor checked")
-    assert floor <= lay.run_time * (1 + REL), (floor, lay.run_time)
+    cap = effective_cap(cfg)
+    cands = [(tree_atoms(samples, ctx, cap, forest), None), (tree_atoms(samples, ctx, max(1, int(cap * frac)), forest),
+                                                              None)]
+    cands.append((sample_atoms(samples, ctx), unshared_step_bound(b, cfg, samples, ctx.fp, with_k=True)[1]))
+    floor = granularity._SharingFloor(forest, samples, ctx)
+    for atoms, k in cands:
+        try:
+            lay = lay_out(0, atoms, ctx, short_step="pad")
+        except mp.PlanError:
+            continue
+        with_slack = floor.reached([lay], k)
+        if floor.terms is None:
+            event("no floor")
+            return
+        event("floor checked")
+        share, k_share = floor.terms
+        bound = share + max(k_share, k or 0) * float(cfg.cost.per_micro)
+        assert bound <= lay.run_time * (1 + REL), (bound, lay.run_time)
+        assert with_slack == (lay.run_time <= bound * (1 + granularity.SKIP_SLACK))
 
 
-@given(bd=batches(), o=options())
-def test_sharing_floor_is_below_the_per_sample_candidate_over_compositions(bd, o):
+@given(bd=batches(), o=options(), frac=st.sampled_from([0.1, 0.3, 0.7]))
+def test_sharing_floor_is_below_every_candidate_over_compositions(bd, o, frac):
     b, dp = bd
     o = dict(o, share=True, layout="varlen", static=False, steps=None)
     note(f"options: {o}")
@@ -166,18 +219,18 @@ def test_sharing_floor_is_below_the_per_sample_candidate_over_compositions(bd, o
         cfg = _config(o, dp)
     except mp.PlanError:
         return
-    _check_floor(b, cfg)
+    _check_floor(b, cfg, frac)
 
 
-@given(seed=st.integers(0, 2**31))
-def test_sharing_floor_is_below_the_per_sample_candidate_over_fuzz_share(seed):
+@given(seed=st.integers(0, 2**31), frac=st.sampled_from([0.1, 0.3, 0.7]))
+def test_sharing_floor_is_below_every_candidate_over_fuzz_share(seed, frac):
     b, kw, o = draw_case(np.random.default_rng(seed), dynamic_cp=False)
     note(f"options: {o}")
     try:
         cfg = mp.PlanConfig(share_prefixes=True, **{**kw, "steps": None})
     except mp.PlanError:
         return
-    _check_floor(b, cfg)
+    _check_floor(b, cfg, frac)
 
 
 @given(seed=st.integers(0, 2**31), frac=st.sampled_from([0.3, 0.6, 1.0]), limit=st.integers(1, 200),

@@ -31,19 +31,18 @@ import numpy as np
 
 from ..cost.models import is_additive
 from ..errors import PlanError
-from ..stats import unshared_step_bound
-from ..trie import StepTrees
+from ..stats import k_lower_bound, unshared_step_bound
 from .atoms import Atoms, StepForest, sample_atoms, tree_atoms
 from .cp_degrees import group_room
 from .context import PlanContext
 from .fit import effective_cap
 from .place import Layout, lay_out
 
-__all__ = ["best_layout", "CUT_FRACTIONS", "PER_SAMPLE_SLACK"]
+__all__ = ["best_layout", "CUT_FRACTIONS", "SKIP_SLACK"]
 
 CUT_FRACTIONS = (1.0, 0.5)  # tree-cut limits tried, as fractions of the mean micro-batch load
 _MARGIN = 1e-9  # relative: a candidate beats the unshared bound only by more than rounding
-PER_SAMPLE_SLACK = 0.02  # the most a skipped per-sample candidate could have been faster (relative)
+SKIP_SLACK = 0.02  # the most a candidate skipped by the sharing floor could have been faster (relative)
 
 
 def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
@@ -69,7 +68,8 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
 
 def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
     """Whole trees (cut only where a tree exceeds the cap), trees cut to fractions of the mean
-    micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``."""
+    micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``
+    unless it cannot matter (module note)."""
     cap = effective_cap(ctx.cfg)
     assert cap is not None  # share_prefixes needs dynamic batching (config.py)
     forest = StepForest()  # the step's trees, found once for every limit
@@ -79,20 +79,23 @@ def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[At
     if first is None:
         return [per_sample], []
     cands = [first]
+    floor = _SharingFloor(forest, samples, ctx)
     mean = float(first.bin_tokens.sum()) / max(first.bin_tokens.size, 1)
     largest, tried = int(first.bin_tokens.max(initial=0)), {cap}
     for frac in CUT_FRACTIONS:
         limit = max(1, int(mean * frac))
         if limit < largest and limit not in tried:
+            if floor.reached(cands):
+                break  # no cut could be faster by more than SKIP_SLACK
             tried.add(limit)
             cut = tree_atoms(samples, ctx, limit, forest)
             if any(_same_atoms(cut, a) for a in atoms):
                 continue  # the same atoms lay out the same: nothing new to try
             atoms.append(cut)
             cands.append(attempt(cut))  # type: ignore[arg-type]
+            cands = [c for c in cands if c is not None]
     atoms.append(per_sample)
-    cands = [c for c in cands if c is not None]
-    if first.atoms is not per_sample and not _skip_per_sample(cands, samples, ctx, forest.trees):
+    if first.atoms is not per_sample and not _skip_per_sample(cands, samples, ctx, floor):
         cands.append(attempt(per_sample))  # type: ignore[arg-type]
     return atoms, [c for c in cands if c is not None]
 
@@ -103,41 +106,58 @@ def _same_atoms(a: Atoms, b: Atoms) -> bool:
         and np.array_equal(a.tokens, b.tokens)
 
 
-def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext, trees: list[StepTrees]) -> bool:
+def _kept_best(cands: list[Layout], ctx: PlanContext) -> float | None:
+    """The least predicted time among the candidates ``short_step`` may keep (under ``drop`` and
+    ``error`` those without placeholders), None when there is none."""
+    keep = cands if ctx.cfg.short_step == "pad" else [c for c in cands if c.placeholders == 0]
+    return min((c.run_time for c in keep), default=None)
+
+
+def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext, floor: _SharingFloor) -> bool:
     """Whether the per-sample candidate cannot matter (module note): a candidate ``short_step`` may
     keep is predicted faster than the unshared plan's lower bound (``stats.unshared_step_bound``), so
-    the guarantee holds without it, and within ``PER_SAMPLE_SLACK`` of the least time any sharing
-    layout of the step could have (:func:`_sharing_floor`), so it could have won by no more. Not
-    under a byte budget (the shared and unshared plans choose their own token caps)."""
-    if ctx.cfg.memory is not None:
+    the guarantee holds without it, and within ``SKIP_SLACK`` of the sharing floor with the unshared
+    plan's K (the per-sample candidate packs what that plan packs), so it could have won by no
+    more. Not under a byte budget (the shared and unshared plans choose their own token caps)."""
+    best = _kept_best(cands, ctx)
+    if best is None or ctx.cfg.memory is not None:
         return False
-    keep = cands if ctx.cfg.short_step == "pad" else [c for c in cands if c.placeholders == 0]
-    if not keep:
-        return False
-    best = min(c.run_time for c in keep)
     unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, with_k=True)
-    if not best < unshared * (1 - _MARGIN):
-        return False
-    floor = _sharing_floor(trees, samples, ctx, k_lb)
-    return floor is not None and best <= floor * (1 + PER_SAMPLE_SLACK)
+    return best < unshared * (1 - _MARGIN) and floor.reached(cands, k_lb)
 
 
-def _sharing_floor(trees: list[StepTrees], samples: np.ndarray, ctx: PlanContext, k_lb: int) -> float | None:
-    """A lower bound of the per-sample candidate's predicted step time, or None where not derived
-    (a cost with a packed-row term, padding multiples, context parallel). Its K is the unshared
-    plan's (it packs what that plan packs), at least ``k_lb``; every GPU-slot costs at least
-    ``per_micro``; every token of each tree's trie runs in some micro-batch at least once (a
-    bin's row holds at least the trie of its samples; under local placement a bin holds one
-    owner's samples), priced by the cost's additive ``tree_costs``; so Σ_m max_r and max_r Σ_m
-    are both at least (Σ tries' cost + vision) / dp_size + k_lb · per_micro."""
-    cfg = ctx.cfg
-    cost = cfg.cost
-    if not is_additive(cost) or ctx.fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:  # type: ignore[arg-type]
-        return None
-    work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum()) for t in trees)  # type: ignore[union-attr]
-    if ctx.fp.vision_costs is not None:
-        work += float(ctx.fp.vision_costs[samples].sum())
-    return work / cfg.dp_size + k_lb * float(cost.per_micro)  # type: ignore[union-attr]
+class _SharingFloor:
+    """A lower bound of the predicted step time of every sharing candidate, where derived: an
+    additive cost, no padding multiple, no context parallel (else never reached). Every token of
+    each tree's trie runs in some micro-batch at least once (a bin's row holds at least the trie of
+    its samples; under local placement a bin holds one owner's samples), priced by the cost's
+    additive ``tree_costs``, and every GPU-slot costs at least ``per_micro``; so Σ_m max_r and
+    max_r Σ_m are both at least (Σ tries' cost + vision) / dp_size + K · per_micro, K at least the
+    step's ``k_lower_bound`` over its unique tokens (or a larger one the caller knows). O(trees),
+    computed on first use."""
+
+    def __init__(self, forest: StepForest, samples: np.ndarray, ctx: PlanContext) -> None:
+        self.forest, self.samples, self.ctx = forest, samples, ctx
+        self.terms: tuple[float, int] | None = None  # (work / dp_size, k lower bound)
+
+    def reached(self, cands: list[Layout], k_lb: int | None = None) -> bool:
+        """Whether a candidate ``short_step`` may keep is within ``SKIP_SLACK`` of the floor."""
+        best = _kept_best(cands, self.ctx)
+        if best is None:
+            return False
+        cfg, cost = self.ctx.cfg, self.ctx.cfg.cost
+        if not is_additive(cost) or self.ctx.fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:  # type: ignore[arg-type]
+            return False
+        if self.terms is None:
+            trees, fp = self.forest.trees, self.ctx.fp
+            work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum()) for t in trees)  # type: ignore[union-attr]
+            unique = sum(int(t.exact.tokens.sum()) for t in trees)
+            if fp.vision_costs is not None:
+                work += float(fp.vision_costs[self.samples].sum())
+            self.terms = (work / cfg.dp_size, k_lower_bound(cfg, int(self.samples.size), unique, fp.vision(self.samples)))
+        share, k = self.terms
+        floor = share + max(k, k_lb or 0) * float(cost.per_micro)  # type: ignore[union-attr]
+        return best <= floor * (1 + SKIP_SLACK)
 
 
 def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
