@@ -18,7 +18,10 @@ Options are properties of this stage, so they compose:
   rank holds of a group shares what is local).
 
 Atoms joined by a rollout (a rollout cut over two tree parts) share a component code, so a drop
-never splits a rollout. Cost: O(n) numpy for samples; the tree cut is ``trie.cut_trees``.
+never splits a rollout. Tree atoms keep their tries (``depth_sq``) and forest roots, so a bin's
+trie adds up over atoms of distinct roots (:func:`bin_tries`; only bins holding two atoms of one
+root are counted again). Cost: O(n) numpy for samples; the tree cut is ``trie.step_trees`` once
+per step (:class:`StepForest`) and ``StepTrees.cut`` per limit.
 """
 
 from __future__ import annotations

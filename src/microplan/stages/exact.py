@@ -5,10 +5,12 @@ exists (``Batch([2,3,8,2,4,3])``, cap 11: LPT needs 3 bins, {8,3} {4,3,2,2} uses
 planner adds a micro-batch per rank it asks, in order:
 
 1. :func:`first_fit_decreasing` — tokens descending, each sample to the first bin with room,
-   then every empty bin takes the last sample of the fullest multi-sample bin. Without a second
-   resource the first bins with room are found per block of samples at once and kept as lower
-   bounds (a bin without room never regains it), so most samples cost a few list lookups; with
-   one, one masked search per sample. Either way the same bins; O(n·m) numpy at worst.
+   then every empty bin takes the shortest sample of the fullest multi-sample bin. Without a second
+   resource the samples over half the cap take bins 0, 1, ... (no two share one) and the first
+   bins with room for the rest are found per block of samples at once and kept as lower bounds
+   (a bin without room never regains it), so most samples cost a few list lookups; with one, one
+   masked search per sample. Either way the same bins; O(n·m) numpy at worst. The empty bins
+   are filled from a heap of the donors (O(m log m)).
 2. :func:`exact_pack` — for small steps (n <= ``EXACT_MAX_SAMPLES``), a depth-first search over
    assignments, tokens descending, with symmetry breaking (bins of equal load tried once, at most
    one new bin per level) and the pruning "samples left >= bins still empty". Bounded by

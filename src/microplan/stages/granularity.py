@@ -12,6 +12,16 @@ so whenever the ``pad`` plan needs none, all three give the same plan — and on
 candidate fills the ranks does ``error`` raise (counting samples, not tree parts) or ``drop``
 drop whole trailing rollouts from the candidate that keeps the most samples.
 
+Candidates that cannot matter are not laid out (the trees of the step are found once for every
+cut limit, ``atoms.StepForest``): a cut whose atoms equal an earlier candidate's; the cuts and
+the per-sample candidate once a candidate ``short_step`` may keep is within ``SKIP_SLACK`` of the
+sharing floor (:class:`_SharingFloor`: a lower bound of every sharing candidate's predicted time,
+so none skipped could have been faster by more; derived for additive costs without padding
+multiples or CP, elsewhere nothing is skipped); the per-sample candidate only when, besides,
+that candidate is predicted faster than the unshared plan's lower bound
+(``stats.unshared_step_bound``; not under a byte budget), which is what the guarantee below
+needs it for.
+
 Under dynamic context parallel the candidates are whole trees cut only where a tree fits no
 group of ``max_size`` GPUs, one atom per sample fitted on flat rows (the unshared plan's groups
 and widths, each bin priced as its tree row: the fitter's choices are not monotone in the bin
@@ -21,8 +31,10 @@ out by the same ``lay_out`` (which chooses the CP widths inside the fit) and the
 
 Guarantee: a sharing plan is never predicted slower than the per-sample candidate, which packs
 exactly what the plain planner packs into rows that never cost more (``prefix.flat_wins``), nor
-drops more samples — so sharing never hurts (docs/prefix.md). Cost: up to four layouts per
-sharing step (three under dynamic CP; one without).
+drops more samples — or, when that candidate is skipped, than the unshared plan's lower bound —
+so sharing never hurts (docs/prefix.md); and never more than ``SKIP_SLACK`` slower than laying
+every candidate out. Cost: up to four layouts per sharing step (three under dynamic CP; one
+without), one when whole trees sit near the floor.
 """
 
 from __future__ import annotations
