@@ -450,3 +450,19 @@ def test_one_step_trees_cut_at_many_limits_equals_fresh_cuts(data, limits, multi
         for f in fresh._fields:
             assert getattr(got, f).dtype == getattr(fresh, f).dtype
             assert np.array_equal(getattr(got, f), getattr(fresh, f)), (limit, f)
+
+
+@given(data=forests(), multiple=st.sampled_from([1, 1, 2, 8]), frac=st.sampled_from([0.4, 1.0]))
+def test_step_trees_whole_tries_equal_set_tries(data, multiple, frac):
+    """Each tree's whole trie (stars in closed form, the rest by set_tries) equals set_tries of the
+    tree's members, tokens and depth_sq, dtypes included."""
+    from microplan.trie import step_trees
+    rng, (parent, shared, lens) = data
+    samples = np.flatnonzero(rng.random(parent.size) < frac)
+    if samples.size == 0:
+        samples = np.array([parent.size - 1])
+    st_ = step_trees(parent, shared, lens, samples, multiple=multiple)
+    want = set_tries(parent, shared, lens, st_.uniq, st_.tree, st_.roots.size, multiple=multiple)
+    assert st_.exact.tokens.dtype == want.tokens.dtype and st_.exact.depth_sq.dtype == want.depth_sq.dtype
+    np.testing.assert_array_equal(st_.exact.tokens, want.tokens)
+    np.testing.assert_array_equal(st_.exact.depth_sq, want.depth_sq)

@@ -311,8 +311,28 @@ def step_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples
     ab = _above(ep, is_member)
     near, root = ab.near[uniq], ab.root[uniq]
     roots, tree = _unique_inverse(root)
-    exact = set_tries(parent, shared, lens, uniq, tree, roots.size, multiple=m)
-    return StepTrees(parent, shared, lens, samples, m, ep, start, uniq, near, root, roots, tree, exact)
+    return StepTrees(parent, shared, lens, samples, m, ep, start, uniq, near, root, roots, tree,
+                     _whole_tries(parent, shared, lens, m, ep, uniq, near, root, roots, tree))
+
+
+def _whole_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, m: int, ep: np.ndarray, uniq: np.ndarray,
+                 near: np.ndarray, root: np.ndarray, roots: np.ndarray, tree: np.ndarray) -> TrieSets:
+    """Each tree's whole trie: stars (multiple 1) in closed form (:func:`_star_parts`, the root in
+    the part), the others by one ``set_tries``."""
+    T = roots.size
+    star = _stars(ep[uniq], near, root, tree, np.ones(T, dtype=bool)) if m == 1 else np.zeros(T, dtype=bool)
+    if not star.any():
+        return set_tries(parent, shared, lens, uniq, tree, T, multiple=m)
+    tokens = np.zeros(T, dtype=np.int64)
+    dsq = np.zeros(T, dtype=np.float64)
+    st = np.flatnonzero(star)
+    tokens[st], dsq[st] = _star_parts(np.flatnonzero(star[tree]), tree, uniq, near, shared, lens, T, st)
+    if not star.all():
+        other = np.flatnonzero(~star)
+        sel = np.flatnonzero(~star[tree])
+        got = set_tries(parent, shared, lens, uniq[sel], np.searchsorted(other, tree[sel]), other.size, multiple=m)
+        tokens[other], dsq[other] = got.tokens, got.depth_sq
+    return TrieSets(tokens, dsq)
 
 
 def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples: Sequence[int] | np.ndarray,
