@@ -78,6 +78,16 @@ class PrefixTree:
         """Σ over tokens of (2·position + 1): the attention work, L² for one sample alone."""
         return int((self.end * self.end - self.start * self.start).sum())
 
+    @classmethod
+    def _trusted(cls, owners: np.ndarray, parent: np.ndarray, start: np.ndarray, end: np.ndarray,
+                 members: np.ndarray, anchor: np.ndarray) -> PrefixTree:
+        """Internal fast path (``trie.micro_trees``: thousands per step): the fields as given, int64
+        arrays already; frozen, so ``__setattr__`` is bypassed with one dict."""
+        self = object.__new__(cls)
+        object.__setattr__(self, "__dict__", {"owners": owners, "parent": parent, "start": start, "end": end,
+                                              "members": members, "anchor": anchor})
+        return self
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PrefixTree):
             return NotImplemented

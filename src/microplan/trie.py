@@ -70,13 +70,14 @@ def micro_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, member
     anchor = anchor - off[mset]
     out = []
     flat_l, off_l, moff_l = flat.tolist(), off.tolist(), moff.tolist()
+    new = PrefixTree._trusted
     for k in range(num_sets):
         c, d = moff_l[k], moff_l[k + 1]
         if flat_l[k]:
             out.append(flat_tree(parent, shared, lens, mem[c:d]))
             continue
         a, b = off_l[k], off_l[k + 1]
-        out.append(PrefixTree(owners[a:b], par[a:b], st[a:b], end[a:b], mem[c:d], anchor[c:d]))
+        out.append(new(owners[a:b], par[a:b], st[a:b], end[a:b], mem[c:d], anchor[c:d]))
     return out
 
 
