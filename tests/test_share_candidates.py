@@ -262,8 +262,8 @@ def test_bin_tries_from_atoms_equal_the_bins_tries(seed, frac, limit, bins):
     roots = atoms.component[kept] * bins + bin_of
     event("a bin holds two atoms of one root" if np.unique(roots).size < roots.size else "roots distinct per bin")
     members = atoms.samples_of(kept)
-    want = row_tries(ctx.parent, ctx.shared, b.seq_lens, members, np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept]),
-                     bins, rules=ctx.fp.row_rules())
+    set_of = np.repeat(bin_of, atoms.ptr[kept + 1] - atoms.ptr[kept])
+    want = row_tries(ctx.parent, ctx.shared, b.seq_lens, members, set_of, bins, rules=ctx.fp.row_rules())
     assert got.tokens.dtype == want.tokens.dtype and got.depth_sq.dtype == want.depth_sq.dtype
     np.testing.assert_array_equal(got.tokens, want.tokens)
     np.testing.assert_array_equal(got.depth_sq, want.depth_sq)

@@ -157,18 +157,20 @@ class _SharingFloor:
         best = _kept_best(cands, self.ctx)
         if best is None:
             return False
-        cfg, cost = self.ctx.cfg, self.ctx.cfg.cost
-        if not is_additive(cost) or self.ctx.fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:  # type: ignore[arg-type]
+        cfg, cost, fp = self.ctx.cfg, self.ctx.cfg.cost, self.ctx.fp
+        assert cost is not None
+        if not is_additive(cost) or fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:
             return False
         if self.terms is None:
-            trees, fp = self.forest.trees, self.ctx.fp
-            work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum()) for t in trees)  # type: ignore[union-attr]
+            trees, n = self.forest.trees, int(self.samples.size)
+            work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum())  # type: ignore[attr-defined]
+                       for t in trees)
             unique = sum(int(t.exact.tokens.sum()) for t in trees)
             if fp.vision_costs is not None:
                 work += float(fp.vision_costs[self.samples].sum())
-            self.terms = (work / cfg.dp_size, k_lower_bound(cfg, int(self.samples.size), unique, fp.vision(self.samples)))
+            self.terms = (work / cfg.dp_size, k_lower_bound(cfg, n, unique, fp.vision(self.samples)))
         share, k = self.terms
-        floor = share + max(k, k_lb or 0) * float(cost.per_micro)  # type: ignore[union-attr]
+        floor = share + max(k, k_lb or 0) * float(cost.per_micro)
         return best <= floor * (1 + SKIP_SLACK)
 
 
