@@ -17,10 +17,9 @@ cut limit, ``atoms.StepForest``): a cut whose atoms equal an earlier candidate's
 the per-sample candidate once a candidate ``short_step`` may keep is within ``SKIP_SLACK`` of the
 sharing floor (:class:`_SharingFloor`: a lower bound of every sharing candidate's predicted time,
 so none skipped could have been faster by more; derived for additive costs without padding
-multiples or CP, elsewhere nothing is skipped); the per-sample candidate only when, besides,
-that candidate is predicted faster than the unshared plan's lower bound
-(``stats.unshared_step_bound``; not under a byte budget), which is what the guarantee below
-needs it for.
+multiples, CP or a byte budget, elsewhere nothing is skipped); the per-sample candidate only
+when, besides, that candidate is predicted faster than the unshared plan's lower bound
+(``stats.unshared_step_bound``), which is what the guarantee below needs it for.
 
 Under dynamic context parallel the candidates are whole trees cut only where a tree fits no
 group of ``max_size`` GPUs, one atom per sample fitted on flat rows (the unshared plan's groups
@@ -140,9 +139,10 @@ def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext,
 
 class _SharingFloor:
     """A lower bound of the predicted step time of every sharing candidate, where derived: an
-    additive cost, no padding multiple, no context parallel (else never reached). Every token of
-    each tree's trie runs in some micro-batch at least once (a bin's row holds at least the trie of
-    its samples; under local placement a bin holds one owner's samples), priced by the cost's
+    additive cost, no padding multiple, no context parallel, no byte budget (else never
+    reached). Every token of each tree's trie runs in some micro-batch at least once (a bin's row
+    holds at least the trie of its samples; under local placement a bin holds one owner's
+    samples), priced by the cost's
     additive ``tree_costs``, and every GPU-slot costs at least ``per_micro``; so Σ_m max_r and
     max_r Σ_m are both at least (Σ tries' cost + vision) / dp_size + K · per_micro, K at least the
     step's ``k_lower_bound`` over its unique tokens (or a larger one the caller knows). O(trees),
@@ -159,7 +159,8 @@ class _SharingFloor:
             return False
         cfg, cost, fp = self.ctx.cfg, self.ctx.cfg.cost, self.ctx.fp
         assert cost is not None
-        if not is_additive(cost) or fp.padding.sample_multiple != 1 or cfg.context_parallel is not None:
+        if not is_additive(cost) or fp.padding.sample_multiple != 1 or cfg.context_parallel is not None \
+                or cfg.memory is not None:  # a byte budget may run samples over the cap alone (memory/plan.py)
             return False
         if self.terms is None:
             trees, n = self.forest.trees, int(self.samples.size)
