@@ -97,7 +97,9 @@ def test_grid_pass_builds_the_row_pass_micros():
 
 def test_tree_rows_columns_read_as_eager_arrays_and_stay_read_only():
     """Shared-prefix micro-batches take their columns as slices of the step's once-gathered columns
-    (``build.tree_parts``): the same values as a per-sample gather, read-only, pickled alone."""
+    (``build.tree_columns``, sliced on first read as flat rows are: ``types._micro_tree_grid``): the
+    same values as a per-sample gather, read-only, pickled and copied with their own arrays and
+    trie only."""
     from microplan.traces import generate
     batch = generate("stepwise-multiturn", num_prompts=24, samples_per_prompt=4, seed=1)
     plan = mp.plan(batch, mp.PlanConfig(dp_size=4, share_prefixes=True, max_tokens_per_micro=24576,
@@ -116,5 +118,26 @@ def test_tree_rows_columns_read_as_eager_arrays_and_stay_read_only():
                 with pytest.raises(ValueError):
                     a.setflags(write=True)
             assert len(pickle.dumps(m.indices)) < m.indices.nbytes + 200
+            fresh = pickle.loads(pickle.dumps(m))
+            assert fresh == m and fresh.tree == m.tree and "_cols" not in fresh.__dict__
+            for dup in (copy.copy(m), copy.deepcopy(m), dataclasses.replace(m)):
+                assert dup == m and dup.tree == m.tree
             seen.extend(idx.tolist())
     assert sorted(seen) == list(range(b.num_samples))
+    assert pickle.loads(pickle.dumps(plan)).steps[0].micros == plan.steps[0].micros
+
+
+def test_tree_placeholders_read_empty_and_are_one_object_per_rank():
+    """A sharing step with placeholders: each reads empty (no trie, no tokens) and a rank's are one
+    object, as for flat rows."""
+    batch = mp.Batch([30, 40, 35], prefix_parent=[-1, 0, 0], shared_prefix_lens=[0, 20, 20])
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=2, max_tokens_per_micro=60, short_step="pad", share_prefixes=True,
+                                        align=2))
+    plan.validate()
+    rows = plan.steps[0].micros
+    ph = [m for row in rows for m in row if m.is_placeholder]
+    assert ph and all(m.seq_lens.size == 0 and m.loss_scale.size == 0 and m.num_tokens == 0 and m.tree is None
+                      for m in ph)
+    for row in rows:
+        assert len({id(m) for m in row if m.is_placeholder}) <= 1
+    assert all(m.tree is not None for row in rows for m in row if not m.is_placeholder)

@@ -233,6 +233,34 @@ def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, 
     return [made[k:k + K] for k in range(0, len(made), K)]
 
 
+def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], trees: list[PrefixTree], K: int,
+                     cp_size: int, footprint: Footprint | None) -> list[list[Micro]]:
+    """Every rank's Micros of tree rows: rank r's m-th holds ``cols[c][los[r·K + m]:his[r·K + m]]``
+    and the trie ``trees[r·K + m]``, built as :func:`_micro_row` builds flat ones (one dict each,
+    columns sliced on first read); a rank's empty spans share one placeholder (no trie). ``K`` >= 1."""
+    i = cols[0]
+    extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
+    if footprint is not None:
+        extra["footprint"] = footprint
+    out: list[list[Micro]] = []
+    for r in range(len(los) // K):
+        group, ph, row = (r,), None, []
+        for k in range(r * K, r * K + K):
+            lo, hi = los[k], his[k]
+            if hi == lo:
+                if ph is None:
+                    ph = _new(Micro)
+                    _set(ph, "__dict__", {"indices": i[:0], "_cols": cols, "_lo": 0, "cp_group": group, **extra})
+                row.append(ph)
+                continue
+            m = _new(Micro)
+            _set(m, "__dict__", {"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group, "tree": trees[k],
+                                 **extra})  # frozen: bypass __setattr__
+            row.append(m)
+        out.append(row)
+    return out
+
+
 def _same_rules(a: Footprint | None, b: Footprint | None) -> bool:
     if a is None:
         return b is None or b.same_rules(None)

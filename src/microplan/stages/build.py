@@ -17,13 +17,13 @@ from .._sort import stable_argsort
 from ..batch import Batch
 from ..prefix import PrefixTree, RowRules, dfs_orders
 from ..trie import micro_trees
-from ..types import Micro, Step
+from ..types import Micro, Step, _micro_tree_grid
 from .context import PlanContext
 from .micros import binned_micros, grid_micros
 from .place import Layout
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["build_step", "tree_parts"]
+__all__ = ["build_step", "tree_columns", "tree_parts"]
 
 
 def _empty_parts() -> tuple[np.ndarray, ...]:
@@ -47,26 +47,16 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     cols = (b.loss_tokens, b.prompt_codes, b.rollout_codes)
     coef = loss_coefficients(cfg.loss, *(cols if every else [c[kept] for c in cols]))
     scale = loss_scales(cfg.loss, coef, grad_world=cfg.grad_world, micro_count=K)
-    cp, trusted, mfp = cfg.static_cp_size, Micro._trusted, ctx.mfp
+    cp, mfp = cfg.static_cp_size, ctx.mfp
     if lay.width is not None:  # dynamic CP: a group's ranks share its bin
         return Step(s, _group_micros(lay, ctx, kept, sbin, scale), kept, choice=lay.choice)
     if not atoms.trees:  # a rank's placeholders share one (immutable) Micro
         return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
                     choice=lay.choice)
-    tparts = tree_parts(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale,
-                        rules=ctx.fp.row_rules())
-    micros = []
-    empty = _empty_parts()
-    for r in range(D):
-        row, ph = [], None
-        for g in lay.grid[r].tolist():
-            if tparts[g] is None:
-                ph = ph or trusted(*empty, cp, 0, (r,), footprint=mfp)
-                row.append(ph)
-                continue
-            cols, tree = tparts[g]  # type: ignore[misc]
-            row.append(trusted(*cols, cp, 0, (r,), tree, footprint=mfp))
-        micros.append(row)
+    cols, bounds, trees = tree_columns(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale, rules=ctx.fp.row_rules())
+    grid = lay.grid  # a rank's placeholders share one Micro; the others slice the step's columns on first read
+    micros = _micro_tree_grid(cols, bounds[:-1][grid].ravel().tolist(), bounds[1:][grid].ravel().tolist(),
+                              [trees[g] for g in grid.ravel().tolist()], K, cp, mfp)
     return Step(s, micros, kept, choice=lay.choice)
 
 
@@ -98,23 +88,32 @@ def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndar
     return micros
 
 
+def tree_columns(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
+                 scale: np.ndarray, *, rules: RowRules | None = None,
+                 ) -> tuple[list[np.ndarray], np.ndarray, list[PrefixTree]]:
+    """The Micro columns of every bin of tree rows at once — indices, seq_lens, loss_tokens,
+    loss_scale, read-only, bin after bin, each bin's samples depth-first — with the bounds of bin g
+    (``bounds[g]:bounds[g + 1]``) and each bin's prefix trie (``rules``: the plan's
+    ``Footprint.row_rules``, which decide where a row is laid out flat, ``prefix.micro_tree``).
+    ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
+    orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
+    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb, rules=rules)
+    flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
+    cols = [flat, b.seq_lens[flat], b.loss_tokens[flat], scale[np.searchsorted(kept, flat)].astype(np.float64)]
+    for c in cols:
+        c.setflags(write=False)  # and so every slice of it
+    bounds = np.zeros(nb + 1, dtype=np.int64)
+    np.cumsum([o.size for o in orders], out=bounds[1:])
+    return cols, bounds, trees
+
+
 def tree_parts(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
                scale: np.ndarray, *,
                rules: RowRules | None = None) -> list[tuple[tuple[np.ndarray, ...], PrefixTree] | None]:
     """Per bin of tree rows: its Micro's four columns in depth-first order and its prefix trie
-    (None for an empty bin; ``rules``: the plan's ``Footprint.row_rules``, which decide where a
-    row is laid out flat, ``prefix.micro_tree``). ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
-    orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
-    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb, rules=rules)
-    flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
-    ix, ln, lt, sc = whole = (flat, b.seq_lens[flat], b.loss_tokens[flat],
-                              scale[np.searchsorted(kept, flat)].astype(np.float64))
-    for c in whole:
-        c.setflags(write=False)  # and so every slice of it
-    ends = np.cumsum([o.size for o in orders]).tolist()
+    (None for an empty bin; :func:`tree_columns` cut bin by bin)."""
+    (ix, ln, lt, sc), bounds, trees = tree_columns(parent, shared, b, kept, sbin, nb, scale, rules=rules)
     out: list[tuple[tuple[np.ndarray, ...], PrefixTree] | None] = []
-    lo = 0
-    for g, hi in enumerate(ends):
+    for g, (lo, hi) in enumerate(zip(bounds[:-1].tolist(), bounds[1:].tolist())):
         out.append(None if hi == lo else ((ix[lo:hi], ln[lo:hi], lt[lo:hi], sc[lo:hi]), trees[g]))
-        lo = hi
     return out
