@@ -1,11 +1,14 @@
 """Which granularity candidates a sharing step lays out (stages/granularity.py, docs/prefix.md).
 
-The per-sample candidate exists to match the unshared plan; it is skipped when a candidate the
-``short_step`` rule may keep is already predicted faster than the unshared plan's lower bound
-(``stats.unshared_step_bound``), which must then be a true lower bound of the unshared plan's
-step time: checked here per step over test_compose's compositions (the options sharing plans
-under) and fuzz_share's draws. A tree cut whose atoms equal an earlier candidate's is not laid
-out again. Sharing never hurts stays tests/test_share_never_hurts.py's property.
+A candidate is skipped only when it cannot matter: a tree cut whose atoms equal an earlier
+candidate's; the cuts and the per-sample candidate once a kept candidate is within SKIP_SLACK of
+the sharing floor (a lower bound of every sharing candidate's predicted time: checked here against
+whole trees, cuts and per-sample layouts); the per-sample candidate, whose duty is to match the
+unshared plan, only when a kept candidate is also below the unshared plan's lower bound
+(``stats.unshared_step_bound``, checked per step against real unshared plans over test_compose's
+compositions and fuzz_share's draws). Skipping costs at most SKIP_SLACK against laying every
+candidate out; sharing never hurts stays tests/test_share_never_hurts.py's property. Also: a
+tree candidate's bin tries summed from its atoms equal ``trie.row_tries`` of its bins.
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def _check_bound(b: mp.Batch, cfg: mp.PlanConfig) -> None:
     fp = footprint_of(b, cfg)
     for step, s in zip(p.steps, p.stats.steps):
         own = s.lockstep_time if cfg.sync == "micro" else s.step_sync_time
-        lb = unshared_step_bound(b, replace(cfg, share_prefixes=True), step.samples, fp)
-        assert lb == s.time_lower_bound
+        lb, k_lb = unshared_step_bound(b, replace(cfg, share_prefixes=True), step.samples, fp)
+        assert lb == s.time_lower_bound and k_lb == s.micro_count_lower_bound
         assert lb <= own * (1 + REL), (lb, own)
 
 
@@ -192,7 +195,7 @@ def _check_floor(b: mp.Batch, cfg: mp.PlanConfig, frac: float) -> None:
     cap = effective_cap(cfg)
     cands = [(tree_atoms(samples, ctx, cap, forest), None), (tree_atoms(samples, ctx, max(1, int(cap * frac)), forest),
                                                               None)]
-    cands.append((sample_atoms(samples, ctx), unshared_step_bound(b, cfg, samples, ctx.fp, with_k=True)[1]))
+    cands.append((sample_atoms(samples, ctx), unshared_step_bound(b, cfg, samples, ctx.fp)[1]))
     floor = granularity._SharingFloor(forest, samples, ctx)
     for atoms, k in cands:
         try:

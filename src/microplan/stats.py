@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -123,16 +123,14 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
                             cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
 
 
-def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint, *,
-                        with_k: bool = False) -> Any:
-    """The ``time_lower_bound`` that the plan of ``cfg`` without ``share_prefixes`` reports for a
-    step of samples ``idx`` (``fp``: the config's footprint, which sharing does not change): a lower
-    bound of that plan's predicted time for the step when it keeps every sample. ``with_k``: with
-    the step's ``micro_count_lower_bound`` too (a pair)."""
+def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint) -> tuple[float, int]:
+    """(``time_lower_bound``, ``micro_count_lower_bound``) that the plan of ``cfg`` without
+    ``share_prefixes`` reports for a step of samples ``idx`` (``fp``: the config's footprint, which
+    sharing does not change): a lower bound of that plan's predicted time and micro-batch count per
+    rank for the step when it keeps every sample."""
     flat = replace(cfg, share_prefixes=False)
     k_lb = k_lower_bound(flat, int(idx.size), int(fp.sample_tokens[idx].sum()), fp.vision(idx))
-    lb = step_lower_bound(batch, flat, idx, k_lb, fp)
-    return (lb, k_lb) if with_k else lb
+    return step_lower_bound(batch, flat, idx, k_lb, fp), k_lb
 
 
 def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint | None = None, *,

@@ -133,7 +133,7 @@ def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext,
     best = _kept_best(cands, ctx)
     if best is None or ctx.cfg.memory is not None:
         return False
-    unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, with_k=True)
+    unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp)
     return best < unshared * (1 - _MARGIN) and floor.reached(cands, k_lb)
 
 
@@ -142,11 +142,10 @@ class _SharingFloor:
     additive cost, no padding multiple, no context parallel, no byte budget (else never
     reached). Every token of each tree's trie runs in some micro-batch at least once (a bin's row
     holds at least the trie of its samples; under local placement a bin holds one owner's
-    samples), priced by the cost's
-    additive ``tree_costs``, and every GPU-slot costs at least ``per_micro``; so Σ_m max_r and
-    max_r Σ_m are both at least (Σ tries' cost + vision) / dp_size + K · per_micro, K at least the
-    step's ``k_lower_bound`` over its unique tokens (or a larger one the caller knows). O(trees),
-    computed on first use."""
+    samples), priced by the cost's additive ``tree_costs``, and every GPU-slot costs at least
+    ``per_micro``; so Σ_m max_r and max_r Σ_m are both at least (Σ tries' cost + vision) /
+    dp_size + K · per_micro, K at least the step's ``k_lower_bound`` over its unique tokens (or a
+    larger one the caller knows). O(trees), computed on first use."""
 
     def __init__(self, forest: StepForest, samples: np.ndarray, ctx: PlanContext) -> None:
         self.forest, self.samples, self.ctx = forest, samples, ctx
