@@ -92,8 +92,8 @@ def test_byte_plan_runs_under_its_budget():
 
 
 def test_shared_prefix_byte_plan_runs_under_its_budget():
-    """With sharing: prefix-tree micro-batches (path tables, gathered keys) measured by
-    profile_memory(trees=True), planned under B, every measured peak <= B."""
+    """With sharing: prefix-tree micro-batches measured by profile_memory(trees=True), planned
+    under B, every measured peak <= B."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from microplan.torch import register_attention
@@ -103,7 +103,10 @@ def test_shared_prefix_byte_plan_runs_under_its_budget():
                       attn_implementation=register_attention())
     run = _runner(LlamaForCausalLM(cfg).train())
     res = profile_memory(run, max_tokens_per_micro=CAP, vocab_size=VOCAB, trees=True)
-    assert res.model.tree_factor > 1.0  # trees hold more than their unique tokens show
+    tree_rows = [r["bytes"] / r["predicted"] for r in res.rows if r.get("pass") == "tree"]
+    # split tree attention (torch/tree_attention.py) gathers no path keys: a tree row measures no
+    # more than a flat row of its unique tokens (the gathered path measured 1.12-1.19 here)
+    assert len(tree_rows) >= 3 and max(tree_rows) <= 1.0 and res.model.tree_factor == 1.0, tree_rows
     B = res.model.micro_bytes([CAP // 2, CAP // 2])
     from benchmarks.bench_memory import grpo_groups
     toks, batch = grpo_groups(8, (20, 90), (5, 60), vocab=VOCAB, seed=0)  # a prompt shared by 4 responses

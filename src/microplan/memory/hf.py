@@ -30,9 +30,11 @@ sequence parallelism every term divides by t (Megatron's ``theoretical_memory_us
   shows: ``per_row_sq = 1``.
 - Forward-only pass: nothing is saved; the peak is the larger of one layer's transients and the
   logits, above the hidden state: ``e·(3h + layer) `` vs ``e·3h + logits``.
-- Prefix trees (``share_prefixes``): microplan's tree attention gathers each segment's path keys
-  and keeps path tables; ``tree_factor`` (default 1.25) is that overhead over the flat row of
-  the same unique tokens; ``profile_memory(trees=True)`` measures it for a real model.
+- Prefix trees (``share_prefixes``): on GPU microplan's tree attention runs flash-attn's varlen
+  kernel over each segment's gathered path keys and keeps path tables; ``tree_factor`` (default
+  1.25) is that overhead over the flat row of the same unique tokens (on CPU the split tree
+  attention reads shared keys in place and needs none); ``profile_memory(trees=True)`` measures
+  it for a real model.
 - Context parallel: each GPU keeps the gathered keys/values of the whole row, per layer
   (``kv_per_token = e·layers·(k + v)/t``; one layer under recomputation).
 

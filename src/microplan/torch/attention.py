@@ -24,8 +24,11 @@ Steps, per attention call:
    The table is computed once per forward (cached on the ``position_ids`` or ``cu_seq_lens`` tensors), not per layer.
 3. Each segment runs ``torch.nn.functional.scaled_dot_product_attention`` on its own slice
    (``is_causal`` when it is square, an explicit lower-right mask otherwise; GQA through
-   ``enable_gqa``); the outputs are concatenated back into the row. A tree row's segments of
-   like shape run batched, one padded masked call per group (``segment_groups.py``).
+   ``enable_gqa``); the outputs are concatenated back into the row. A tree row on CPU runs
+   split — shared ancestor keys attended once, in place, merged by log-sum-exp with each
+   segment's own causal call (``tree_attention.py``); elsewhere (a CP shard, dropout) its keys
+   are gathered per path and segments of like shape run batched, one padded masked call per
+   group (``segment_groups.py``).
 
 Anything that is not a training-style forward over a packed row — a KV cache (keys longer than
 queries without an explicit table), a 4-D mask — is handed to transformers' own sdpa function,
@@ -50,6 +53,7 @@ import torch.nn.functional as F
 
 from ..errors import PlanError
 from .segment_groups import grouped_attention, one_segment
+from .tree_attention import CACHE as TREE_PLANS, HAS_SPLIT, split_attention
 
 __all__ = ["ATTENTION_NAME", "Segments", "register_attention", "segments_from_cu_seqlens",
            "segments_from_position_ids", "varlen_attention", "segment_attention"]
@@ -255,6 +259,10 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
         if kwargs.get("microplan_cp") is not None:  # a CP shard: its keys are the group's gathered slots
             from .cp_attention import gather_keys_values
             key, value = gather_keys_values(key, value, kwargs["microplan_cp"])
+        elif not dropout and query.device.type == "cpu" and HAS_SPLIT:
+            split = _split_tree(query, key, value, key_index, attention_mask, causal, scaling, kwargs)
+            if split is not None:
+                return split, None
         idx = key_index.to(key.device)
         key, value = key.index_select(2, idx), value.index_select(2, idx)
         if query.is_cuda and _flash_varlen() is not None:
@@ -264,6 +272,21 @@ def varlen_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Te
     flat = lambda x: x.transpose(1, 2).reshape(B * x.shape[2], x.shape[1], x.shape[3])  # noqa: E731
     out = segment_attention(flat(query), flat(key), flat(value), seg, scale=scaling, dropout_p=dropout)
     return out.reshape(B, T, Hq, value.shape[-1]), None
+
+
+def _split_tree(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_index: torch.Tensor,
+                attention_mask: torch.Tensor | None, causal: bool, scaling: float | None, kwargs: dict) -> Any:
+    """A tree row's attention with shared keys attended once (``tree_attention.py``), as
+    ``[1, T, Hq, Dv]``; None when the table is not a plain tree row (the gathered path runs)."""
+    if not causal or kwargs.get("cu_seq_lens_q") is None:
+        return None
+    seg = _table(query, attention_mask, causal, kwargs)
+    plan = TREE_PLANS.get(key_index, seg, query.shape[2])
+    if plan is None:
+        return None
+    flat = lambda x: x[0].transpose(0, 1)  # noqa: E731  [1, H, T, D] -> [T, H, D]
+    out = split_attention(flat(query), flat(key), flat(value), plan, scale=scaling)
+    return out[None]
 
 
 def _flash_varlen() -> Any:

@@ -1,6 +1,8 @@
-"""Tree rows' attention in few calls: segments of like shape batched into one padded sdpa call.
+"""Tree rows' gathered-path attention in few calls: segments of like shape batched into one padded sdpa call.
 
-Design note. A prefix-tree row (``torch/tree.py``) gives each trie segment its own queries and
+Design note. The path a tree row takes where the split attention (``tree_attention.py``) does
+not apply: a context-parallel shard, dropout, a device without the CPU flash kernels. A
+prefix-tree row (``torch/tree.py``) gives each trie segment its own queries and
 its path as keys, so attention is one ``scaled_dot_product_attention`` call per segment and
 layer — many small calls for a GRPO group's responses or an agent's branches, whose per-call
 overhead the linear layers do not pay. Segments of one depth of a tree have nearly the same

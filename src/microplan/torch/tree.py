@@ -26,9 +26,10 @@ the host:
 Guarantees: Σ over the per-sample layout of ``sample_weights · ℓ`` equals the unshared
 micro-batch's ``Σ loss_weights · ℓ`` term by term; ``loss_weights`` is its exact node-level
 reduction; validation re-derives every table. Cost: O(U + Σ L) host work per micro-batch.
-Trade-off: the key gather duplicates each path's K/V per segment (Σ path lengths entries);
-segments are long in the trees microplan builds (a prompt, a turn), so this stays a small
-multiple of U.
+Trade-off: ``key_index`` lists each path per segment (Σ path lengths entries); segments are
+long in the trees microplan builds (a prompt, a turn), so this stays a small multiple of U. On
+CPU the attention reads shared keys in place from it (``tree_attention.py``); the GPU and CP
+paths gather each path's K/V.
 """
 
 from __future__ import annotations
@@ -180,7 +181,10 @@ def check_tree(packed: Any) -> None:
     if not torch.equal(t.flat_rows.cpu(), flat) or t.in_row_order != bool(flat.numel() == U and
                                                                            torch.equal(flat, torch.arange(U))):
         raise PlanError("flat_rows must be the members' rows in order, and in_row_order must say whether it is 0..U-1.")
-    if not torch.allclose(torch.zeros(U, dtype=torch.float64).index_add_(
-            0, t.flat_rows.cpu(), t.sample_weights.cpu().to(torch.float64)), w.to(torch.float64),
-            rtol=1e-12, atol=0.0):
+    rows = t.flat_rows.cpu()
+    summed = torch.zeros(U, dtype=torch.float64).index_add_(0, rows, t.sample_weights.cpu().to(torch.float64))
+    # both sides are rounded to the weight dtype: a sum of k rounded terms is within k+1 of its ulps
+    terms = torch.zeros(U, dtype=torch.float64).index_add_(0, rows, torch.ones(rows.numel(), dtype=torch.float64))
+    eps = 1e-12 if w.dtype == torch.float64 else float(torch.finfo(w.dtype).eps)
+    if bool(((summed - w.to(torch.float64)).abs() > (terms + 1) * eps * summed.abs()).any()):
         raise PlanError("loss_weights must be the per-sample weights summed onto the shared tokens.")
