@@ -137,3 +137,14 @@ def test_tree_rows_run_split_in_the_model_attention(dtype, monkeypatch):
     want = _reference(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), seg, p.tree.key_index)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert torch.allclose(got[0], want, rtol=tol, atol=tol)
+
+
+def test_float32_tree_rows_pass_their_own_validation():
+    """A float32 tree row whose shared tokens sum several samples' loss scales packs (its check
+    allows the weight dtype's rounding; it used to demand 1e-12 of float32 sums and refused it)."""
+    rng = np.random.default_rng(3)
+    batch, toks = _forest(rng, 8)
+    plan = mp.plan(batch, mp.PlanConfig(dp_size=1, max_tokens_per_micro=4096, share_prefixes=True))
+    packed = [pack_micro(m, toks, weight_dtype=torch.float32) for st_ in plan.steps for m in st_.micros[0]
+              if m.tree is not None]
+    assert any(p.tree.sample_weights.numel() > p.num_tokens for p in packed)  # shared tokens summed
