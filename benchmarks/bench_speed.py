@@ -22,6 +22,9 @@ path-config <= 20 ms, plan-config <= 2x plan-token, >= 40x slime and verl).
 ``CostMeter`` hands out after a few noisy steps): the price of the hedged lockstep pass.
 ``padded``, ``padded-2d``: the same step with ``layout="padded"`` / ``"padded-2d"`` (runs of
 length-sorted samples, slot levels and their local search: ``stages/padded.py``).
+``shared``: the same plan with ``share_prefixes=True`` (each group's samples share their prompt:
+the trie-priced candidates of ``stages/granularity.py``; issue 30: <= 150 ms and <= 3x the plain
+plan at 16k/dp=128).
 
 Local placement at scale (issue 17): every sample on rank 0 of dp=1,024 (the other ranks run
 placeholders), timed once each: ``plan`` and ``Plan.validate()`` (target: both together <= 3 s).
@@ -62,6 +65,7 @@ MAX_LEN, CAP, GROUP = 16384, 32768, 8
 TARGETS = {"slime": 25.0, "verl": 50.0}  # required speed-up of microplan at 16k samples, dp=128
 PATH_TARGETS = {"batch_ms": 3.0, "path_ms": 20.0, "slime": 40.0, "verl": 40.0}  # issue 20 item 6, 16k/dp=128
 CONFIG_TARGETS = {"path_ms": 20.0, "vs_token": 2.0, "slime": 40.0, "verl": 40.0}  # issue 27 item 3, 16k/dp=128
+SHARE_TARGETS = {"share_ms": 150.0, "vs_plain": 3.0}  # issue 30 item 6, 16k/dp=128: sharing vs the same plan unshared
 LOCAL = dict(samples=4096, dp=1024, target_s=3.0)  # issue 17: one loaded rank of 1,024
 HEDGE_SD = 0.1  # attention known to ±10 %: a CostMeter's typical sd after 3 steps at 5 % timing noise
 
@@ -97,6 +101,7 @@ def _timers(batch: mp.Batch, dp: int, cost) -> dict:
     cfg = mp.PlanConfig(dp_size=dp, max_tokens_per_micro=CAP, cost=cost, sync="micro")
     hedged = replace(cfg, cost=replace(cost, attention_rel_sd=HEDGE_SD))
     padded = replace(cfg, layout="padded")
+    shared = replace(cfg, share_prefixes=True)
     by_config = replace(cfg, cost=config_7b_cost())
     by_tokens = replace(cfg, cost=mp.TokenCost())
     lens = np.asarray(batch.seq_lens)
@@ -108,6 +113,7 @@ def _timers(batch: mp.Batch, dp: int, cost) -> dict:
         "hedged": lambda: _wall(lambda: mp.plan(batch, hedged)),
         "padded": lambda: _wall(lambda: mp.plan(batch, padded)),
         "padded-2d": lambda: _wall(lambda: mp.plan(batch, replace(padded, layout="padded-2d"))),
+        "shared": lambda: _wall(lambda: mp.plan(batch, shared)),
         "batch": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=pids, rollout_ids=rids)),
         "batch-str": lambda: _wall(lambda: mp.Batch(lens, prompt_lens=plens, prompt_ids=uids, rollout_ids=rid_str)),
         "path": lambda: _wall(lambda: _user_path(lens, plens, pids, rids, cfg)),
@@ -188,6 +194,8 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"{'':>6}   hedged plan (FlopsCost.attention_rel_sd={HEDGE_SD:g}, a metered cost): {m['hedged']:6.1f} ms "
               f"({m['hedged'] / m['microplan']:.1f}x the plain plan)")
         print(f"{'':>6}   padded layout (layout='padded'): {m['padded']:6.1f} ms   'padded-2d': {m['padded-2d']:6.1f} ms")
+        print(f"{'':>6}   prefix sharing (share_prefixes=True): {m['shared']:6.1f} ms "
+              f"({m['shared'] / m['microplan']:.1f}x the plain plan)")
     big = cases[0]["ratio"]
     print("targets at 16k/dp=128: " + ", ".join(
         f"{k} >= {v:.0f}x: {'met' if big[k] >= v else 'MISSED'} ({big[k]:.1f}x)" for k, v in TARGETS.items()))
@@ -204,6 +212,12 @@ def main(argv: list[str] | None = None) -> dict:
     print("config-cost path targets at 16k/dp=128: " + ", ".join(
         f"{k} {'<=' if k in ('path_ms', 'vs_token') else '>='} {v:g}: {'met' if config_ok[k] else 'MISSED'}"
         for k, v in CONFIG_TARGETS.items()) + f"   ({args.clock} clock, load average {load:.1f})")
+    share_ok = {"share_ms": m["shared"] <= SHARE_TARGETS["share_ms"],
+                "vs_plain": m["shared"] <= SHARE_TARGETS["vs_plain"] * m["microplan"]}
+    print(f"sharing targets at 16k/dp=128: share_ms <= {SHARE_TARGETS['share_ms']:g}: "
+          f"{'met' if share_ok['share_ms'] else 'MISSED'} ({m['shared']:.1f} ms), shared <= "
+          f"{SHARE_TARGETS['vs_plain']:g}x the plain plan: {'met' if share_ok['vs_plain'] else 'MISSED'} "
+          f"({m['shared'] / m['microplan']:.1f}x)")
     local = None
     if not args.no_local:
         local = time_local(LOCAL["samples"], LOCAL["dp"], cost)
@@ -215,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
     result = dict(date=datetime.date.today().isoformat(), host=socket.gethostname(), cost=cost.to_dict(),
                   family="grpo-longtail", max_len=MAX_LEN, targets=TARGETS, cases=cases,
                   path_targets=PATH_TARGETS, config_targets=CONFIG_TARGETS, config_cost=config_7b_cost().to_dict(),
+                  share_targets=SHARE_TARGETS, share_met=share_ok,
                   clock=args.clock, statistic="median" if args.clock == "wall" else "min", load_average=load,
                   local=local)
     if not args.no_write:

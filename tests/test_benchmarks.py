@@ -298,7 +298,7 @@ def test_bench_speed_config_rows(monkeypatch):
     from benchmarks.metrics import config_7b_cost
     monkeypatch.setattr(bsp, "_clock", bsp.CLOCK["cpu"])
     c = bsp.time_case(512, 8, 1, dense_7b_cost(), np.min)
-    assert {"plan-config", "plan-token", "path-config", "path"} <= set(c["median_ms"])
+    assert {"plan-config", "plan-token", "path-config", "path", "shared"} <= set(c["median_ms"])
     assert set(c["ratio_path_config"]) == {"slime", "verl", "verl-critical-path"}
     assert all(v >= 0 for v in c["median_ms"].values())
     cost = config_7b_cost()
