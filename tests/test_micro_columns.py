@@ -141,3 +141,55 @@ def test_tree_placeholders_read_empty_and_are_one_object_per_rank():
     for row in rows:
         assert len({id(m) for m in row if m.is_placeholder}) <= 1
     assert all(m.tree is not None for row in rows for m in row if not m.is_placeholder)
+
+
+def _tree_plan(multiple: int = 1) -> mp.Plan:
+    from microplan.traces import generate
+    batch = generate("stepwise-multiturn", num_prompts=24, samples_per_prompt=4, seed=1)
+    pad = {} if multiple == 1 else {"pad_to_multiple_of": multiple, "pad_row_to_multiple_of": 16}
+    return mp.plan(batch, mp.PlanConfig(dp_size=4, share_prefixes=True, max_tokens_per_micro=24576,
+                                        loss=mp.Loss("prompt-mean"), **pad))
+
+
+def _unread(plan: mp.Plan) -> list[Micro]:
+    """The plan's tree Micros, asserting that none has computed its trie yet."""
+    out = [m for step in plan.steps for row in step.micros for m in row if not m.is_placeholder]
+    assert out and all("tree" not in m.__dict__ and m.__dict__["_tries"]._trees is None for m in out)
+    return out
+
+
+@pytest.mark.parametrize("multiple", [1, 8])
+def test_tree_rows_tries_are_lazy_and_invisible(multiple):
+    """A planner-built tree Micro computes its trie on first read of ``tree`` (the step's tries in one
+    pass: ``build.StepTries``); until then nothing may tell: equality, pickling, copying, JSON, the
+    fingerprint, validate() and stats read the same as on a plan whose tries were read, and each
+    trie is ``prefix.micro_tree`` of the Micro's samples under the plan's row rules."""
+    from microplan.footprint import footprint_of
+    from microplan.prefix import forest_of, micro_tree
+    eager = _tree_plan(multiple)
+    micros = [m for step in eager.steps for row in step.micros for m in row if not m.is_placeholder]
+    parent, shared = forest_of(eager.batch)
+    rules = footprint_of(eager.batch, eager.config).row_rules()
+    for m in micros:
+        assert m.tree == micro_tree(parent, shared, eager.batch.seq_lens, m.indices, rules=rules)
+    assert all(m.__dict__["tree"] is m.tree for m in micros)  # read once, then kept
+    srcs = {id(m.__dict__["_tries"]) for m in micros}
+    assert len(srcs) == len(eager.steps)  # one source per step, computed once for all its Micros
+
+    lazy = _tree_plan(multiple)
+    assert lazy.fingerprint() == eager.fingerprint() and lazy.to_json() == eager.to_json()
+    _unread(lazy)
+    back = pickle.loads(pickle.dumps(_tree_plan(multiple)))
+    assert back == eager and all("_tries" not in m.__dict__ for step in back.steps for row in step.micros
+                                 for m in row)
+    for dup in (copy.copy, copy.deepcopy, lambda m: pickle.loads(pickle.dumps(m)), dataclasses.replace):
+        for a, b in zip(_unread(_tree_plan(multiple)), micros):
+            c = dup(a)
+            assert "_tries" not in c.__dict__ and c.tree == b.tree and c == b
+    for a, b in zip(_unread(_tree_plan(multiple)), micros):
+        assert a == b and a.tree == b.tree and a.num_tokens == b.num_tokens and repr(a) == repr(b)
+    fresh = _tree_plan(multiple)
+    assert fresh == eager and mp.Plan.from_json(fresh.to_json()) == eager
+    fresh = _tree_plan(multiple)
+    fresh.validate()
+    assert _tree_plan(multiple).stats == eager.stats

@@ -177,6 +177,29 @@ for _col, _name in enumerate(("seq_lens", "loss_tokens", "loss_scale"), start=1)
     setattr(Micro, _name, _Column(_name, _col))  # after @dataclass: the fields stay required, without defaults
 
 
+class _Tree:
+    """``tree`` of a planner-built Micro of tree rows (:func:`_micro_tree_grid`): taken on first
+    read from the step's lazy tries (``_tries[_g]``, every bin's trie computed in one pass the
+    first time any of them is read; ``stages.build.StepTries``), then kept in the instance dict
+    (which shadows this non-data descriptor). A Micro without a source has the field's default,
+    None. Equality, pickling and copying read the field, so they see the trie."""
+
+    __slots__ = ()
+
+    def __get__(self, obj: Any, owner: Any = None) -> Any:
+        if obj is None:
+            return None  # the dataclass field's default, as the class attribute was
+        d = obj.__dict__
+        src = d.get("_tries")
+        if src is None:
+            return None
+        value = d["tree"] = src[d["_g"]]
+        return value
+
+
+Micro.tree = _Tree()  # type: ignore[assignment]  # after @dataclass: the field keeps its default None
+
+
 def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tuple[int, ...], cp_size: int,
                footprint: Footprint | None) -> list[Micro]:
     """One rank's Micros, the m-th holding ``cols[c][los[m]:his[m]]`` (internal fast path for the
@@ -233,11 +256,12 @@ def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, 
     return [made[k:k + K] for k in range(0, len(made), K)]
 
 
-def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], trees: list[PrefixTree], K: int,
+def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], bins: list[int], tries: Any, K: int,
                      cp_size: int, footprint: Footprint | None) -> list[list[Micro]]:
     """Every rank's Micros of tree rows: rank r's m-th holds ``cols[c][los[r·K + m]:his[r·K + m]]``
-    and the trie ``trees[r·K + m]``, built as :func:`_micro_row` builds flat ones (one dict each,
-    columns sliced on first read); a rank's empty spans share one placeholder (no trie). ``K`` >= 1."""
+    and the trie ``tries[bins[r·K + m]]`` (read on first access of ``tree``: :class:`_Tree`),
+    built as :func:`_micro_row` builds flat ones (one dict each, columns sliced on first read); a
+    rank's empty spans share one placeholder (no trie). ``K`` >= 1."""
     i = cols[0]
     extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
     if footprint is not None:
@@ -254,8 +278,8 @@ def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], tre
                 row.append(ph)
                 continue
             m = _new(Micro)
-            _set(m, "__dict__", {"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group, "tree": trees[k],
-                                 **extra})  # frozen: bypass __setattr__
+            _set(m, "__dict__", {"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group, "_tries": tries,
+                                 "_g": bins[k], **extra})  # frozen: bypass __setattr__
             row.append(m)
         out.append(row)
     return out

@@ -23,7 +23,7 @@ from .micros import binned_micros, grid_micros
 from .place import Layout
 from .weigh import loss_coefficients, loss_scales
 
-__all__ = ["build_step", "tree_columns", "tree_parts"]
+__all__ = ["StepTries", "build_step", "tree_columns", "tree_parts"]
 
 
 def _empty_parts() -> tuple[np.ndarray, ...]:
@@ -53,10 +53,10 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     if not atoms.trees:  # a rank's placeholders share one (immutable) Micro
         return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
                     choice=lay.choice)
-    cols, bounds, trees = tree_columns(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale, rules=ctx.fp.row_rules())
-    grid = lay.grid  # a rank's placeholders share one Micro; the others slice the step's columns on first read
+    cols, bounds, tries = tree_columns(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale, rules=ctx.fp.row_rules())
+    grid = lay.grid  # a rank's placeholders share one Micro; the others slice the step's columns and tries on first read
     micros = _micro_tree_grid(cols, bounds[:-1][grid].ravel().tolist(), bounds[1:][grid].ravel().tolist(),
-                              [trees[g] for g in grid.ravel().tolist()], K, cp, mfp)
+                              grid.ravel().tolist(), tries, K, cp, mfp)
     return Step(s, micros, kept, choice=lay.choice)
 
 
@@ -88,16 +88,41 @@ def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndar
     return micros
 
 
+class StepTries:
+    """Every bin's prefix trie of one step, computed in one ``trie.micro_trees`` pass the first time
+    any is read (``tries[g]``), then kept: the tries of ``micro_trees(parent, shared, lens, kept,
+    sbin, nb, rules=rules)``, whenever they are read. Holds its own copy of the bin of each sample;
+    the forest and lengths are the batch's (immutable)."""
+
+    __slots__ = ("_args", "_rules", "_trees")
+
+    def __init__(self, parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, kept: np.ndarray,
+                 sbin: np.ndarray, nb: int, rules: RowRules | None) -> None:
+        self._args = (parent, shared, lens, kept.copy(), sbin.copy(), nb)
+        self._rules = rules
+        self._trees: list[PrefixTree] | None = None
+
+    def __getitem__(self, g: int) -> PrefixTree:
+        trees = self._trees
+        if trees is None:
+            trees = self._trees = micro_trees(*self._args, rules=self._rules)
+            self._args = ()
+        return trees[g]
+
+    def __len__(self) -> int:
+        return self._args[5] if self._trees is None else len(self._trees)
+
+
 def tree_columns(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
                  scale: np.ndarray, *, rules: RowRules | None = None,
-                 ) -> tuple[list[np.ndarray], np.ndarray, list[PrefixTree]]:
+                 ) -> tuple[list[np.ndarray], np.ndarray, StepTries]:
     """The Micro columns of every bin of tree rows at once — indices, seq_lens, loss_tokens,
     loss_scale, read-only, bin after bin, each bin's samples depth-first — with the bounds of bin g
-    (``bounds[g]:bounds[g + 1]``) and each bin's prefix trie (``rules``: the plan's
-    ``Footprint.row_rules``, which decide where a row is laid out flat, ``prefix.micro_tree``).
-    ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
+    (``bounds[g]:bounds[g + 1]``) and each bin's prefix trie, computed on first read
+    (:class:`StepTries`; ``rules``: the plan's ``Footprint.row_rules``, which decide where a row
+    is laid out flat, ``prefix.micro_tree``). ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
     orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
-    trees = micro_trees(parent, shared, b.seq_lens, kept, sbin, nb, rules=rules)
+    trees = StepTries(parent, shared, b.seq_lens, kept, sbin, nb, rules)
     flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
     cols = [flat, b.seq_lens[flat], b.loss_tokens[flat], scale[np.searchsorted(kept, flat)].astype(np.float64)]
     for c in cols:
