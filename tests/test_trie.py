@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from microplan.prefix import RowRules, dfs_order, dfs_orders, micro_tree, owner_tree, sample_forest
+from microplan.prefix import RowRules, dfs_flat, dfs_order, dfs_orders, micro_tree, owner_tree, sample_forest
 from microplan.trie import cut_trees, forest_depths, micro_trees, row_tries, set_tries
 
 SHAPES = ("grpo", "append", "edited", "branching", "mixed")
@@ -137,6 +137,9 @@ def test_micro_trees_equal_micro_tree_per_set(data, num_sets, density, multiple)
     got = micro_trees(parent, shared, lens, members, set_of, num_sets, rules=RowRules(multiple))
     orders = dfs_orders(parent, shared, members, set_of, num_sets)
     assert len(got) == num_sets == len(orders)
+    flat, bounds = dfs_flat(parent, shared, members, set_of, num_sets)  # what build.tree_columns slices
+    assert bounds.tolist() == np.cumsum([0] + [o.size for o in orders]).tolist()
+    assert flat.dtype == np.int64 and flat.tolist() == [int(i) for o in orders for i in o]
     for k in range(num_sets):
         want = dfs_order(parent, shared, members[set_of == k]) if (set_of == k).any() else np.zeros(0, int)
         assert orders[k].dtype == np.int64 and orders[k].tolist() == want.tolist()

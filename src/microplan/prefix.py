@@ -314,9 +314,18 @@ def dfs_order(parent: np.ndarray, shared: np.ndarray, samples: np.ndarray) -> np
 
 def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
                num_sets: int) -> list[np.ndarray]:
-    """``[dfs_order(parent, shared, set k) for k in range(num_sets)]``: sets whose sample forest
-    is one level deep (a root and samples hanging from it, or from a root outside the set: GRPO
-    micro-batches) in one sort by (set, root, sample); the others one by one. O(M log M)."""
+    """``[dfs_order(parent, shared, set k) for k in range(num_sets)]`` (:func:`dfs_flat` cut set by set)."""
+    flat, bounds = dfs_flat(parent, shared, members, set_of, num_sets)
+    b = bounds.tolist()
+    return [flat[b[k]:b[k + 1]] for k in range(num_sets)]
+
+
+def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
+             num_sets: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every set's ``dfs_order``, concatenated set after set, and the bounds of set k
+    (``flat[bounds[k]:bounds[k + 1]]``): sets whose sample forest is one level deep (a root and
+    samples hanging from it, or from a root outside the set: GRPO micro-batches) in one sort by
+    (set, root, sample); the others one by one. O(M log M)."""
     members, set_of = np.asarray(members, dtype=np.int64), np.asarray(set_of, dtype=np.int64)
     n = parent.size
     key = np.sort(set_of * n + members)
@@ -336,15 +345,12 @@ def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_
     bad[sets[slow]] = True
     top = np.where(root, x, p1)
     o = np.lexsort((x, top, sets))
-    sets_o, x_o = sets[o], x[o]
-    cut = np.searchsorted(sets_o, np.arange(num_sets + 1))
-    out = []
-    for k in range(num_sets):
-        if bad[k]:
-            out.append(dfs_order(parent, shared, x_o[cut[k]:cut[k + 1]]))
-        else:
-            out.append(x_o[cut[k]:cut[k + 1]])
-    return out
+    x_o = x[o]
+    cut = np.searchsorted(sets[o], np.arange(num_sets + 1))
+    for k in np.flatnonzero(bad).tolist():  # deeper forests: the set's own depth-first walk, in place
+        lo, hi = int(cut[k]), int(cut[k + 1])
+        x_o[lo:hi] = dfs_order(parent, shared, x_o[lo:hi])
+    return x_o, cut
 
 
 # ------------------------------------------------------------------------------------------------

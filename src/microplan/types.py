@@ -266,6 +266,16 @@ def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], bin
     extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
     if footprint is not None:
         extra["footprint"] = footprint
+    if all(map(int.__lt__, los, his)):  # no placeholder: one comprehension over the flat grid, as _micro_grid
+        groups = chain.from_iterable(repeat((r,), K) for r in range(len(los) // K))
+        ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g, "_tries": tries, "_g": b}
+              for lo, hi, g, b in zip(los, his, groups, bins)]
+        if extra:
+            for d in ds:
+                d.update(extra)
+        made = list(map(_new, repeat(Micro, len(ds))))
+        list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+        return [made[k:k + K] for k in range(0, len(made), K)]
     out: list[list[Micro]] = []
     for r in range(len(los) // K):
         group, ph, row = (r,), None, []

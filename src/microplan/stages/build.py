@@ -15,7 +15,7 @@ import numpy as np
 
 from .._sort import stable_argsort
 from ..batch import Batch
-from ..prefix import PrefixTree, RowRules, dfs_orders
+from ..prefix import PrefixTree, RowRules, dfs_flat
 from ..trie import micro_trees
 from ..types import Micro, Step, _micro_tree_grid
 from .context import PlanContext
@@ -121,14 +121,11 @@ def tree_columns(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndar
     (``bounds[g]:bounds[g + 1]``) and each bin's prefix trie, computed on first read
     (:class:`StepTries`; ``rules``: the plan's ``Footprint.row_rules``, which decide where a row
     is laid out flat, ``prefix.micro_tree``). ``kept`` ascending, ``sbin`` and ``scale`` aligned."""
-    orders = dfs_orders(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first
+    flat, bounds = dfs_flat(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first, bin after bin
     trees = StepTries(parent, shared, b.seq_lens, kept, sbin, nb, rules)
-    flat = np.concatenate(orders) if nb else np.empty(0, dtype=np.int64)  # each column gathered once, then sliced
     cols = [flat, b.seq_lens[flat], b.loss_tokens[flat], scale[np.searchsorted(kept, flat)].astype(np.float64)]
-    for c in cols:
+    for c in cols:  # each column gathered once, then sliced
         c.setflags(write=False)  # and so every slice of it
-    bounds = np.zeros(nb + 1, dtype=np.int64)
-    np.cumsum([o.size for o in orders], out=bounds[1:])
     return cols, bounds, trees
 
 
