@@ -469,3 +469,16 @@ def test_step_trees_whole_tries_equal_set_tries(data, multiple, frac):
     assert st_.exact.tokens.dtype == want.tokens.dtype and st_.exact.depth_sq.dtype == want.depth_sq.dtype
     np.testing.assert_array_equal(st_.exact.tokens, want.tokens)
     np.testing.assert_array_equal(st_.exact.depth_sq, want.depth_sq)
+
+
+@given(st.integers(1, 40), st.integers(1, 9), st.integers(0, 2 ** 32 - 1))
+def test_lex_order_packed_equals_lexsort(n, sets, seed):
+    """``prefix._lex_order`` (dfs_flat's sort by set, root, sample): the packed int64 key and lexsort agree."""
+    from microplan.prefix import _lex_order
+    rng = np.random.default_rng(seed)
+    keys = np.unique(rng.integers(0, sets * n * n, 3 * n))
+    a, b, c = keys // (n * n), keys // n % n, keys % n
+    p = rng.permutation(keys.size)
+    a, b, c = a[p], b[p], c[p]
+    assert _lex_order(a, b, c, n, packed=True).tolist() == _lex_order(a, b, c, n, packed=False).tolist() \
+        == np.lexsort((c, b, a)).tolist()

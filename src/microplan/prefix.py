@@ -320,6 +320,13 @@ def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_
     return [flat[b[k]:b[k + 1]] for k in range(num_sets)]
 
 
+def _lex_order(a: np.ndarray, b: np.ndarray, c: np.ndarray, n: int, *, packed: bool) -> np.ndarray:
+    """``np.lexsort((c, b, a))`` for int64 keys with b, c in [0, n) and the triples distinct;
+    ``packed`` (when max(a)·n² fits int64): one argsort of (a·n + b)·n + c, the same order
+    (distinct keys sort one way) for a fraction of lexsort's time."""
+    return np.argsort((a * n + b) * n + c, kind="stable") if packed else np.lexsort((c, b, a))
+
+
 def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
              num_sets: int) -> tuple[np.ndarray, np.ndarray]:
     """Every set's ``dfs_order``, concatenated set after set, and the bounds of set k
@@ -344,7 +351,7 @@ def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of
     bad = np.zeros(num_sets, dtype=bool)
     bad[sets[slow]] = True
     top = np.where(root, x, p1)
-    o = np.lexsort((x, top, sets))
+    o = _lex_order(sets, top, x, n, packed=num_sets * n * n < 2 ** 62)
     x_o = x[o]
     cut = np.searchsorted(sets[o], np.arange(num_sets + 1))
     for k in np.flatnonzero(bad).tolist():  # deeper forests: the set's own depth-first walk, in place
