@@ -47,7 +47,8 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
                                                np.bincount(bin_of, weights=lens, minlength=nb),
                                                np.bincount(bin_of, minlength=nb))
     X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
-    real = cnt > 0
+    real = cnt > 0  # constant through the pass: a move leaves its source a sample, a swap keeps counts
+    real_idx = np.flatnonzero(real)
     c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
     C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
     iters = max_iters if max_iters is not None else min(2 * K + 16, 64)
@@ -88,7 +89,8 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             stuck.add(m)
             continue
         got = _best_change(a, m, bin_of, A, T, C, cnt, slot_of, by_slot, order, top, lens_f, costs, cost, cap, grid,
-                           tol=rel_tol * float(top[m]), extra=None if extra is None else (extra[0], X, extra[1]))
+                           tol=rel_tol * float(top[m]), extra=None if extra is None else (extra[0], X, extra[1]),
+                           real=(real, real_idx))
         if got is None:
             stuck.add(m)
             continue
@@ -145,26 +147,28 @@ def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, t
 def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray,
                  slot_of: np.ndarray, by_slot: np.ndarray, order: np.ndarray, slot_max: np.ndarray, lens: np.ndarray,
                  costs: np.ndarray, cost: CostModel, cap: int, grid: np.ndarray, *, tol: float,
-                 extra: tuple[np.ndarray, np.ndarray, int] | None = None) -> tuple[int, int, int] | None:
+                 extra: tuple[np.ndarray, np.ndarray, int] | None = None,
+                 real: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, int, int] | None:
     """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap
     (``slot_max``: each slot's largest cost, ``by_slot[k, order[k, 0]]``).
 
-    ``extra``: (per-sample amount, per-bin totals, cap) of a second resource every change keeps."""
+    ``extra``: (per-sample amount, per-bin totals, cap) of a second resource every change keeps.
+    ``real``: the mask and ascending indices of the bins with samples (``cnt > 0``), when known."""
     members = np.flatnonzero(bin_of == a)
     top = by_slot[m, order[m, 0]]
     nb = A.size
     col = grid[:, m]
     # receivers: the real bins with the most headroom under their slot's maximum, and the lightest of
     # slot m (placeholders stay empty: their slot geometry is the plan's)
-    ok = (cnt > 0) & (np.arange(nb) != a)
-    head = np.where(ok, slot_max[slot_of] - C, -np.inf)
-    pool = np.flatnonzero(ok)
+    real_mask, real_idx = (cnt > 0, None) if real is None else real
+    pool = np.flatnonzero(real_mask & (np.arange(nb) != a)) if real_idx is None else real_idx[real_idx != a]
     if not pool.size:
         return None
     is_recv = np.zeros(nb, dtype=bool)
     if pool.size > 2 * _RECEIVERS:
-        mine = pool[slot_of[pool] == m]
-        is_recv[pool[np.argpartition(-head[pool], _RECEIVERS)[:_RECEIVERS]]] = True
+        mine = np.sort(col[real_mask[col] & (col != a)])  # slot m's real bins but a, ascending (col: slot m's bins)
+        head = slot_max[slot_of[pool]] - C[pool]
+        is_recv[pool[np.argpartition(-head, _RECEIVERS)[:_RECEIVERS]]] = True
         is_recv[mine if mine.size <= _RECEIVERS else mine[np.argpartition(C[mine], _RECEIVERS)[:_RECEIVERS]]] = True
         recv = np.flatnonzero(is_recv)  # the union, ascending
     else:
