@@ -10,6 +10,8 @@ import pickle
 
 import numpy as np
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 import microplan as mp
 from microplan.types import Micro
@@ -193,3 +195,23 @@ def test_tree_rows_tries_are_lazy_and_invisible(multiple):
     fresh = _tree_plan(multiple)
     fresh.validate()
     assert _tree_plan(multiple).stats == eager.stats
+
+
+@given(seed=st.integers(0, 2 ** 31))
+def test_stats_of_a_shared_plan_read_no_trie_and_match_the_micros(seed):
+    """``Plan.stats`` counts each tree micro-batch's tokens from the batch (``stats._step_grids``:
+    ``trie.row_tries`` per bin, padding and row multiples, CP groups, placeholders) without reading
+    a trie, and the counts equal the Micros' own ``num_tokens`` (fuzz_share's compositions)."""
+    from benchmarks.fuzz_share import draw_case
+    b, kw, _ = draw_case(np.random.default_rng(seed))
+    try:
+        plan = mp.plan(b, mp.PlanConfig(share_prefixes=True, **kw))
+    except mp.PlanError:
+        return
+    stats = plan.stats
+    micros = [m for step in plan.steps for row in step.micros for m in row]
+    assert all("tree" not in m.__dict__ for m in micros if "_tries" in m.__dict__)  # stats read no trie
+    for step, st_ in zip(plan.steps, stats.steps):
+        flat = [m for row in step.micros for m in row]
+        assert st_.tokens_with_sharing == sum(m.num_tokens for m in flat if not m.is_placeholder and m.cp_rank == 0)
+        assert st_.max_micro_tokens == max((-(-m.num_tokens // m.cp_size) for m in flat), default=0)

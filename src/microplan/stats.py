@@ -45,6 +45,15 @@ __all__ = ["compute_stats", "micro_cost_grid", "step_cost_grid", "step_lower_bou
 
 def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None) -> np.ndarray:
     """``cost[r, m]`` of every micro-batch of one step, on the GPU(s) of rank r."""
+    return _step_grids(batch, config, step, fp)[0]
+
+
+def _step_grids(batch: Batch, config: PlanConfig, step: Step, fp: Footprint | None = None,
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """(``cost[r, m]``, ``tokens[r, m]``) of every micro-batch of one step: its cost on the GPU(s) of
+    rank r and the tokens it holds (``Micro.num_tokens`` of a valid plan: with shared prefixes each
+    bin's row as ``trie.row_tries`` counts it, which equals its trie's padded footprint, so no
+    Micro's trie is read)."""
     cost = config.cost
     assert cost is not None
     fp = footprint_of(batch, config) if fp is None else fp
@@ -58,7 +67,8 @@ def step_cost_grid(batch: Batch, config: PlanConfig, step: Step, fp: Footprint |
     forest = forest_of(batch) if config.share_prefixes else None
     tokens, mc = bin_footprint(fp, cost, idx, owner, len(flat), forest=forest)
     width = np.array([m.cp_size for m in flat], dtype=np.float64)
-    return gpu_costs(cost, mc, tokens, width, empty=sizes == 0).reshape(D, K)  # placeholders: one dummy token
+    grid = gpu_costs(cost, mc, tokens, width, empty=sizes == 0).reshape(D, K)  # placeholders: one dummy token
+    return grid, tokens.reshape(D, K)
 
 
 def micro_cost_grid(plan: object, step_index: int) -> np.ndarray:
@@ -258,16 +268,15 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
     rank_total = np.zeros(cfg.dp_size)
     max_tokens = 0
     for step in steps:
-        grid = step_cost_grid(batch, cfg, step, fp)
+        grid, held_grid = _step_grids(batch, cfg, step, fp)
         rank_total += grid.sum(axis=1)
         idx = step.samples
         tokens, n = int(lens[idx].sum()), int(idx.size)
         unique = step_tree(batch, idx).num_tokens if cfg.share_prefixes and n else int(fp.sample_tokens[idx].sum())
-        held = sum(m.num_tokens for row in step.micros for m in row if not m.is_placeholder and m.cp_rank == 0)
+        held, step_max = _held(step, held_grid if cfg.share_prefixes else None)
         k_lb = k_lower_bound(cfg, n, unique, fp.vision(idx))
         lb = step_lower_bound(batch, cfg, idx, k_lb, fp)
         split = split_lower_bound(batch, cfg, idx, fp, step_bound=lb) if cfg.placement == "local" else 0.0
-        step_max = max((-(-m.num_tokens // m.cp_size) for row in step.micros for m in row), default=0)
         max_tokens = max(max_tokens, step_max)
         lock_s, sync_s = grid_time(grid, "micro"), grid_time(grid, "step")
         pipe = step_pipeline_time(grid, cfg, backward_ratio=0.0 if forward else BACKWARD_RATIO) \
@@ -297,6 +306,19 @@ def compute_stats(batch: Batch, config: PlanConfig, steps: Sequence[Step], dropp
         tokens_lower_bound=sum(p.tokens_lower_bound for p in per_step),
         pipeline_time=pipe_total, pipeline_bubble=_bubble(lock if cfg.sync == "micro" else sync, pipe_total, cfg),
         split_lower_bound=sum(p.split_lower_bound for p in per_step), max_micro_bytes=_max_bytes(batch, cfg, steps, fp))
+
+
+def _held(step: Step, tokens: np.ndarray | None) -> tuple[int, int]:
+    """(Σ tokens the step's micro-batches hold, one per CP group; the most one GPU holds):
+    ``tokens[r, m]`` each micro-batch's ``num_tokens`` where the caller has it (with shared prefixes:
+    the tries stay unread), else read from the Micros."""
+    flat = [m for row in step.micros for m in row]
+    if tokens is None:
+        held = sum(m.num_tokens for m in flat if not m.is_placeholder and m.cp_rank == 0)
+        return held, max((-(-m.num_tokens // m.cp_size) for m in flat), default=0)
+    t = tokens.reshape(-1).tolist()
+    held = sum(x for x, m in zip(t, flat) if m.cp_rank == 0 and m.indices.size)
+    return held, max((-(-x // m.cp_size) for x, m in zip(t, flat)), default=0)
 
 
 def _max_bytes(batch: Batch, cfg: PlanConfig, steps: Sequence[Step], fp: Footprint) -> int | None:
