@@ -5,8 +5,10 @@ sample indices in execution order, their lengths and loss-token counts, and per-
 scales. Arrays are int64/float64, read-only, and aligned with ``indices``. The planner builds
 dp·K of them per step (``_micro_row``) while a rank reads its own K: ``seq_lens``,
 ``loss_tokens`` and ``loss_scale`` are then views sliced from the step's shared columns on first
-read (``_Column``); pickling or copying one carries its own arrays only. Trade-off: building
-a step's Micros is cheaper, reading an array the first time a little dearer.
+read (``_Column``); pickling or copying one carries its own arrays only. A tree row's ``tree``
+is likewise taken on first read from its step's lazy tries (``_Tree``; the step's tries are
+computed together then). Trade-off: building a step's Micros is cheaper, reading an array or
+the first trie of a step dearer.
 """
 
 from __future__ import annotations

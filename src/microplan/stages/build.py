@@ -5,8 +5,12 @@ each (rank, slot) of the grid becomes a :class:`~microplan.types.Micro` holding 
 samples — ascending global index for flat rows, depth-first order with the bin's prefix trie
 for tree rows (``prefix.micro_tree``) — and every sample gets its loss scale
 (``weigh.loss_scales``, over the step's kept samples, with the step's K). Flat bins cost one
-stable argsort and dp·K slices (no per-sample Python; ``micros.grid_micros``); tree bins one trie
-each.
+stable argsort and dp·K slices (no per-sample Python; ``micros.grid_micros``); tree bins one
+depth-first sort of the step (``prefix.dfs_flat``) and dp·K slices. A tree row's trie is
+computed on first read of ``Micro.tree`` (:class:`StepTries`: every bin's trie of the step in
+one ``trie.micro_trees`` pass, kept; ``types._Tree``), so a plan whose tries nobody reads pays
+for none; every reader of the field (equality, pickling, JSON, ``validate``) sees the trie the
+eager path would have built. Dynamic CP builds its groups' tries at once (``tree_parts``).
 """
 
 from __future__ import annotations
@@ -91,8 +95,8 @@ def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndar
 class StepTries:
     """Every bin's prefix trie of one step, computed in one ``trie.micro_trees`` pass the first time
     any is read (``tries[g]``), then kept: the tries of ``micro_trees(parent, shared, lens, kept,
-    sbin, nb, rules=rules)``, whenever they are read. Holds its own copy of the bin of each sample;
-    the forest and lengths are the batch's (immutable)."""
+    sbin, nb, rules=rules)``, whenever they are read. Holds its own copy of the samples and their
+    bins; the forest and lengths are the batch's (immutable)."""
 
     __slots__ = ("_args", "_rules", "_trees")
 
@@ -104,13 +108,9 @@ class StepTries:
 
     def __getitem__(self, g: int) -> PrefixTree:
         trees = self._trees
-        if trees is None:
+        if trees is None:  # two threads may both compute them: the same tries, either list kept
             trees = self._trees = micro_trees(*self._args, rules=self._rules)
-            self._args = ()
         return trees[g]
-
-    def __len__(self) -> int:
-        return self._args[5] if self._trees is None else len(self._trees)
 
 
 def tree_columns(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndarray, sbin: np.ndarray, nb: int,
