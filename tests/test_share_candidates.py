@@ -46,6 +46,8 @@ def _check_bound(b: mp.Batch, cfg: mp.PlanConfig) -> None:
         lb, k_lb = unshared_step_bound(b, replace(cfg, share_prefixes=True), step.samples, fp)
         assert lb == s.time_lower_bound and k_lb == s.micro_count_lower_bound
         assert lb <= own * (1 + REL), (lb, own)
+        quick, k_q = unshared_step_bound(b, replace(cfg, share_prefixes=True), step.samples, fp, slot=False)
+        assert quick <= lb and k_q == k_lb  # the per-sample skip tries it first (granularity._skip_per_sample)
 
 
 @given(bd=batches(), o=options())

@@ -99,8 +99,11 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
-def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, fp: Footprint | None = None) -> float:
+def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, fp: Footprint | None = None, *,
+                     slot: bool = True) -> float:
     """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
+    ``slot=False``: without the lockstep slot term (``kchoice.time_lower_bounds``; O(n log n)), a
+    bound never above the full one.
 
     With shared prefixes the work any plan does at least once is the step's prefix trie: its
     segments stand in for the samples, and the costliest micro-batch is at least one sample alone.
@@ -130,17 +133,19 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
         costs = cp_work_floor(cost, costs, lens, _least_width(cfg, lens))  # a priced split costs GPU-time
     return best_lower_bound(costs, lens, k_lb, bins_per_k=cfg.dp_size,
                             gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=view,
-                            cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro")
+                            cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro" and slot)
 
 
-def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint) -> tuple[float, int]:
+def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint, *,
+                        slot: bool = True) -> tuple[float, int]:
     """(``time_lower_bound``, ``micro_count_lower_bound``) that the plan of ``cfg`` without
     ``share_prefixes`` reports for a step of samples ``idx`` (``fp``: the config's footprint, which
     sharing does not change): a lower bound of that plan's predicted time and micro-batch count per
-    rank for the step when it keeps every sample."""
+    rank for the step when it keeps every sample. ``slot=False``: the time bound without its
+    lockstep slot term (:func:`step_lower_bound`), never above it."""
     flat = replace(cfg, share_prefixes=False)
     k_lb = k_lower_bound(flat, int(idx.size), int(fp.sample_tokens[idx].sum()), fp.vision(idx))
-    return step_lower_bound(batch, flat, idx, k_lb, fp), k_lb
+    return step_lower_bound(batch, flat, idx, k_lb, fp, slot=slot), k_lb
 
 
 def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint | None = None, *,

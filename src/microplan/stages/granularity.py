@@ -133,8 +133,12 @@ def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext,
     best = _kept_best(cands, ctx)
     if best is None or ctx.cfg.memory is not None:
         return False
-    unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp)
-    return best < unshared * (1 - _MARGIN) and floor.reached(cands, k_lb)
+    quick, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, slot=False)  # <= the bound
+    if not best < quick * (1 - _MARGIN):  # the full bound (slot term, O(n log n)) only where it decides
+        unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp)
+        if not best < unshared * (1 - _MARGIN):
+            return False
+    return floor.reached(cands, k_lb)
 
 
 class _SharingFloor:
