@@ -58,7 +58,7 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
         return Step(s, grid_micros(kept, sbin, lay.grid, scale, b, cp_size=cp, footprint=mfp), kept,
                     choice=lay.choice)
     cols, bounds, tries = tree_columns(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale, rules=ctx.fp.row_rules())
-    grid = lay.grid  # a rank's placeholders share one Micro; the others slice the step's columns and tries on first read
+    grid = lay.grid  # a rank's placeholders share one Micro; the others slice columns and tries on first read
     micros = _micro_tree_grid(cols, bounds[:-1][grid].ravel().tolist(), bounds[1:][grid].ravel().tolist(),
                               grid.ravel().tolist(), tries, K, cp, mfp)
     return Step(s, micros, kept, choice=lay.choice)
