@@ -1,6 +1,6 @@
 """A laid-out step as its micro-batches: members in execution order, tries, CP degree, loss scales.
 
-Design note. The last stages of the flow on one step's :class:`~microplan.stages.place.Layout`:
+Design note. The last stages of the flow on one step's :class:`~microplan.stages.place.PlacedStep`:
 each (rank, slot) of the grid becomes a :class:`~microplan.types.Micro` holding its bin's
 samples — ascending global index for flat rows, depth-first order with the bin's prefix trie
 for tree rows (``prefix.micro_tree``) — and every sample gets its loss scale
@@ -24,7 +24,7 @@ from ..trie import micro_trees
 from ..types import Micro, Step, _micro_tree_grid
 from .context import PlanContext
 from .micros import binned_micros, grid_micros
-from .place import Layout
+from .place import PlacedStep
 from .weigh import loss_coefficients, loss_scales
 
 __all__ = ["StepTries", "build_step", "tree_columns", "tree_parts"]
@@ -37,7 +37,7 @@ def _empty_parts() -> tuple[np.ndarray, ...]:
     return out
 
 
-def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
+def build_step(s: int, lay: PlacedStep, ctx: PlanContext) -> Step:
     """The Step of a layout: micro-batches on the grid, loss scales exact over the kept samples."""
     cfg, b = ctx.cfg, ctx.batch
     D, K = cfg.dp_size, lay.K
@@ -64,7 +64,7 @@ def build_step(s: int, lay: Layout, ctx: PlanContext) -> Step:
     return Step(s, micros, kept, choice=lay.choice)
 
 
-def _group_micros(lay: Layout, ctx: PlanContext, kept: np.ndarray, sbin: np.ndarray,
+def _group_micros(lay: PlacedStep, ctx: PlanContext, kept: np.ndarray, sbin: np.ndarray,
                   scale: np.ndarray) -> list[list[Micro]]:
     """Rank r's Micros under dynamic CP: bin ``grid[r, m]`` of width w runs on w consecutive ranks
     of slot m (its CP group; an empty bin is a placeholder group), each member at its CP rank."""

@@ -47,7 +47,7 @@ from .atoms import Atoms, StepForest, sample_atoms, tree_atoms
 from .cp_degrees import group_room
 from .context import PlanContext
 from .fit import effective_cap
-from .place import Layout, lay_out
+from .place import PlacedStep, lay_out
 
 __all__ = ["best_layout", "CUT_FRACTIONS", "SKIP_SLACK"]
 
@@ -56,13 +56,13 @@ _MARGIN = 1e-9  # relative: a candidate beats the unshared bound only by more th
 SKIP_SLACK = 0.02  # the most a candidate skipped by the sharing floor could have been faster (relative)
 
 
-def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
+def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> PlacedStep:
     """The step's layout (module note)."""
     if not ctx.cfg.share_prefixes:
         return lay_out(s, sample_atoms(samples, ctx), ctx)
     errors: list[PlanError] = []
 
-    def attempt(a: Atoms) -> Layout | None:
+    def attempt(a: Atoms) -> PlacedStep | None:
         """A candidate, or None when its atoms cannot be packed."""
         try:
             return lay_out(s, a, ctx, short_step="pad")
@@ -77,7 +77,7 @@ def best_layout(s: int, samples: np.ndarray, ctx: PlanContext) -> Layout:
     return _short_step(s, atoms, cands, ctx)
 
 
-def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
+def _candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[PlacedStep]]:
     """Whole trees (cut only where a tree exceeds the cap), trees cut to fractions of the mean
     micro-batch load, and one atom per sample (last), each laid out under ``short_step="pad"``
     unless it cannot matter (module note)."""
@@ -117,14 +117,14 @@ def _same_atoms(a: Atoms, b: Atoms) -> bool:
         and np.array_equal(a.tokens, b.tokens)
 
 
-def _kept_best(cands: list[Layout], ctx: PlanContext) -> float | None:
+def _kept_best(cands: list[PlacedStep], ctx: PlanContext) -> float | None:
     """The least predicted time among the candidates ``short_step`` may keep (under ``drop`` and
     ``error`` those without placeholders), None when there is none."""
     keep = cands if ctx.cfg.short_step == "pad" else [c for c in cands if c.placeholders == 0]
     return min((c.run_time for c in keep), default=None)
 
 
-def _skip_per_sample(cands: list[Layout], samples: np.ndarray, ctx: PlanContext, floor: _SharingFloor) -> bool:
+def _skip_per_sample(cands: list[PlacedStep], samples: np.ndarray, ctx: PlanContext, floor: _SharingFloor) -> bool:
     """Whether the per-sample candidate cannot matter (module note): a candidate ``short_step`` may
     keep is predicted faster than the unshared plan's lower bound (``stats.unshared_step_bound``), so
     the guarantee holds without it, and within ``SKIP_SLACK`` of the sharing floor with the unshared
@@ -155,7 +155,7 @@ class _SharingFloor:
         self.forest, self.samples, self.ctx = forest, samples, ctx
         self.terms: tuple[float, int] | None = None  # (work / dp_size, k lower bound)
 
-    def reached(self, cands: list[Layout], k_lb: int | None = None) -> bool:
+    def reached(self, cands: list[PlacedStep], k_lb: int | None = None) -> bool:
         """Whether a candidate ``short_step`` may keep is within ``SKIP_SLACK`` of the floor."""
         best = _kept_best(cands, self.ctx)
         if best is None:
@@ -178,7 +178,7 @@ class _SharingFloor:
         return best <= floor * (1 + SKIP_SLACK)
 
 
-def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[Layout]]:
+def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[PlacedStep]]:
     """``share_prefixes`` × ``ContextParallel(max_size=c)``: whole trees (cut only where a tree fits
     no group of c GPUs), one atom per sample fitted as the unshared plan fits them (its groups and
     widths, each bin priced as its tree row: never slower than the unshared plan, whose bin choices
@@ -190,14 +190,14 @@ def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tu
     return atoms, [c for c in map(attempt, atoms) if c is not None]
 
 
-def _short_step(s: int, atoms: list[Atoms], cands: list[Layout], ctx: PlanContext) -> Layout:
+def _short_step(s: int, atoms: list[Atoms], cands: list[PlacedStep], ctx: PlanContext) -> PlacedStep:
     """``short_step`` across candidates (module note); ``atoms[-1]`` holds one atom per sample."""
     policy = ctx.cfg.short_step
     full = [c for c in cands if c.placeholders == 0]
     if policy == "pad":
-        return min(cands, key=Layout.key)
+        return min(cands, key=PlacedStep.key)
     if full:
-        return min(full, key=Layout.key)
+        return min(full, key=PlacedStep.key)
     if policy == "error":
         return lay_out(s, atoms[-1], ctx)  # raises, counting samples (one atom per sample)
     best, err = None, None

@@ -46,10 +46,10 @@ from .fitted import Fit
 from .layout import StepLayout, step_layout
 from .local import fit_local
 
-__all__ = ["Layout", "lay_out"]
+__all__ = ["PlacedStep", "lay_out"]
 
 
-class Layout(NamedTuple):
+class PlacedStep(NamedTuple):
     """One step's atoms laid out on the ranks × slots grid."""
 
     atoms: Atoms
@@ -93,7 +93,7 @@ def _view(atoms: Atoms, ctx: PlanContext) -> StepLayout | None:
     return None
 
 
-def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = None) -> Layout:
+def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = None) -> PlacedStep:
     """Fit, bin footprints and slots of one step's atoms (``short_step``: the config's by default)."""
     cfg = ctx.cfg
     D = cfg.dp_size
@@ -119,7 +119,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
         time = f.time
         if atoms.flat_fit and atoms.trees:  # the unshared plan's groups, each bin priced as its tree row
             time = grid_time(gpu_costs(cfg.cost, costs, tokens, f.width)[f.grid], cfg.sync)
-        return Layout(atoms, kept, dropped, bin_of, f.grid, K, f.choice, samples, sample_bin, tokens, costs,
+        return PlacedStep(atoms, kept, dropped, bin_of, f.grid, K, f.choice, samples, sample_bin, tokens, costs,
                       time, time, f.width)
     cp = cfg.static_cp_size
     per_gpu = costs if cp == 1 else cp_micro_costs(cfg.cost, costs, tokens, cp)
@@ -136,7 +136,7 @@ def lay_out(s: int, atoms: Atoms, ctx: PlanContext, *, short_step: str | None = 
             grid = _no_worse_than_flat(grid, priced, samples, sample_bin, f.slots, ctx, K)
     run_time = grid_time(priced[grid], cfg.sync)
     choice = f.choice if f.choice is not None else _static_choice(K, run_time, cfg)  # static batching
-    return Layout(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
+    return PlacedStep(atoms, kept, dropped, bin_of, grid, K, choice, samples, sample_bin, tokens, costs,
                   grid_time(per_gpu[grid], cfg.sync), run_time)
 
 
