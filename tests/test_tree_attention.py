@@ -148,3 +148,22 @@ def test_float32_tree_rows_pass_their_own_validation():
     packed = [pack_micro(m, toks, weight_dtype=torch.float32) for st_ in plan.steps for m in st_.micros[0]
               if m.tree is not None]
     assert any(p.tree.sample_weights.numel() > p.num_tokens for p in packed)  # shared tokens summed
+
+
+def test_rows_in_no_segment_stay_zero():
+    """A table that leaves a row out (row 10: no segment's query) gives 0 there and the
+    per-segment result elsewhere, gradients included (float64)."""
+    from microplan.torch.attention import Segments
+    qs, qe = (0, 11, 15), (10, 15, 18)
+    ki = np.concatenate([np.arange(10), np.arange(10), np.arange(11, 15), np.arange(10), np.arange(15, 18)])
+    cu = np.cumsum([0, 10, 14, 13])
+    sp = split_plan(qs, qe, tuple(cu[:-1]), tuple(cu[1:]), ki, 18)
+    assert sp is not None and not sp.covers_all
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(18, h, 8, dtype=torch.float64, generator=g, requires_grad=True) for h in (4, 2, 2))
+    seg = Segments(qs, qe, tuple(int(x) for x in cu[:-1]), tuple(int(x) for x in cu[1:]), num_tokens=37)
+    got = split_attention(q, k, v, sp)
+    want = _reference(q, k, v, seg, torch.from_numpy(ki))
+    assert torch.equal(got[10], torch.zeros_like(got[10])) and _close(got, want)
+    for a, b in zip(torch.autograd.grad(got.sum(), (q, k, v)), torch.autograd.grad(want.sum(), (q, k, v))):
+        assert _close(a, b)
