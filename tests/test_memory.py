@@ -257,3 +257,24 @@ def test_from_hf_config_takes_gated_mlp_when_the_config_cannot_tell():
     gated = mp.MemoryModel.from_hf_config(cfg, attention="fa2", gated_mlp=True)
     plain = mp.MemoryModel.from_hf_config(cfg, attention="fa2", gated_mlp=False)
     assert gated.per_token > plain.per_token  # 4f vs 2f MLP elements per token and layer
+
+
+def test_from_hf_config_prices_dense_and_moe_layers_each_by_its_own_width():
+    """An MoE model whose first layers are dense (DeepSeek's first_k_dense_replace) or listed in
+    mlp_only_layers (Qwen): each layer keeps its own MLP width (the sum over layers without
+    checkpointing, the largest layer with it), as the cost model reads the same keys."""
+    from microplan.memory.hf import layer_elements
+    moe = dict(LLAMA, model_type="deepseek_v3", num_hidden_layers=4, intermediate_size=1024, num_experts=8,
+               num_experts_per_tok=2, moe_intermediate_size=64, n_shared_experts=1)
+    base = 4 * 128 + 4 * 32 + 2 * 64 + 4 * 32   # norms, q, k + v, o (head dim 32)
+    dense, expert = base + 4 * 1024, base + 4 * (2 * 64 + 64)
+    assert layer_elements(moe) == (4 * expert, expert, 128, 4, 2 * 64)  # every layer MoE
+    first = layer_elements(dict(moe, first_k_dense_replace=1))
+    assert first.total == dense + 3 * expert and first.largest == dense
+    assert layer_elements(dict(moe, mlp_only_layers=[0, 2])).total == 2 * dense + 2 * expert
+    kw = dict(attention="fa2", dtype="bfloat16")
+    off = mp.MemoryModel.from_hf_config(dict(moe, first_k_dense_replace=1), gradient_checkpointing=False, **kw)
+    all_moe = mp.MemoryModel.from_hf_config(moe, gradient_checkpointing=False, **kw)
+    assert off.per_token - all_moe.per_token == pytest.approx(2 * (dense - expert))  # bf16: 2 bytes per element
+    on = mp.MemoryModel.from_hf_config(dict(moe, first_k_dense_replace=1), gradient_checkpointing=True, **kw)
+    assert on.per_token >= 2 * dense  # one dense layer rebuilt at a time

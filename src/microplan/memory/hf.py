@@ -9,8 +9,11 @@ with dropout) for a modern decoder (no dropout, RMSNorm, GQA, gated MLP):
           + 2h (post-attention norm) + mlp,   mlp = 4f gated (gate, up, act(gate), product) | 2f plain
 
 with h the hidden size, q = heads·d_qk, k + v = kv_heads·(d_qk + d_v), o = heads·d_v, f the MLP
-width (MoE: top-k experts' widths plus the shared experts'). Under tensor parallelism with
-sequence parallelism every term divides by t (Megatron's ``theoretical_memory_usage.py``).
+width of that layer (an MoE layer: top-k experts' widths plus the shared experts'; a model's dense
+layers — DeepSeek's first ones, Qwen's ``mlp_only_layers`` — ``intermediate_size``, as the cost
+model reads them). Under tensor parallelism with sequence parallelism every term divides by t
+(Megatron's ``theoretical_memory_usage.py``). ``layers·layer`` below is the sum over the layers;
+a lone ``layer`` is the largest one.
 
 - Without recomputation the backward starts with every layer saved and the logits alive:
   ``per_token = e·(layers·layer + 3h) + logits``, 3h for the embedding output and the final norm.
@@ -45,13 +48,13 @@ what the framework keeps around; hence ``margin`` (default 10 %) and ``profile_m
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 from .._checks import float_field, int_field
-from ..cost.hf import _attention, _Config, _infer_gated
+from ..cost.hf import _attention, _Config, _infer_gated, _is_moe_layer
 from ..errors import PlanError
 
-__all__ = ["MEMORY_ATTENTION", "dtype_bytes", "memory_from_hf_config", "layer_elements"]
+__all__ = ["MEMORY_ATTENTION", "LayerElements", "dtype_bytes", "memory_from_hf_config", "layer_elements"]
 
 #: Attention kernels ``from_hf_config`` knows (the cost model's names, plus eager).
 MEMORY_ATTENTION = ("fa2", "fa3", "sdpa-packed", "eager")
@@ -74,21 +77,46 @@ def dtype_bytes(dtype: Any, what: str = "dtype") -> int:
     return _DTYPES[name]
 
 
-def _mlp_width(cfg: _Config, gated: bool) -> int:
-    f = cfg.get_int("intermediate_size")
+def _mlp_widths(cfg: _Config) -> list[int]:
+    """The MLP width of every decoder layer: ``intermediate_size`` for a dense layer; for an MoE
+    layer (``cost.hf._is_moe_layer``: DeepSeek's first dense layers, Qwen's ``mlp_only_layers``
+    and sparse steps) the top-k routed experts' width plus the shared experts'."""
+    layers = cfg.get_int("num_hidden_layers")
     experts = cfg.get_int("num_experts", default=0, minimum=0)
-    if experts:
-        topk = cfg.get_int("num_experts_per_tok", default=1)
-        f_e = cfg.get_int("moe_intermediate_size", default=f)
-        shared = cfg.get_int("shared_expert_intermediate_size", default=0, minimum=0) or \
-            cfg.get_int("n_shared_experts", default=0, minimum=0) * f_e
-        f = topk * f_e + shared
-    return f
+    if not experts:
+        return [cfg.get_int("intermediate_size")] * layers
+    topk = cfg.get_int("num_experts_per_tok", default=1)
+    dense_only = cfg.get_ints("mlp_only_layers")
+    moe = [_is_moe_layer(i, cfg, dense_only) for i in range(layers)]
+    # intermediate_size: the dense layers' width, and the experts' when moe_intermediate_size is absent (Mixtral)
+    f = 0 if all(moe) and cfg.find("moe_intermediate_size") is not None else cfg.get_int("intermediate_size")
+    f_e = cfg.get_int("moe_intermediate_size", default=f)
+    shared = cfg.get_int("shared_expert_intermediate_size", default=0, minimum=0) or \
+        cfg.get_int("n_shared_experts", default=0, minimum=0) * f_e
+    return [topk * f_e + shared if m else f for m in moe]
 
 
-def layer_elements(config: Mapping[str, Any] | object, gated_mlp: bool | None = None) -> tuple[int, int, int, int]:
-    """(elements one token keeps per layer, hidden size, layers, key+value elements per layer);
-    ``gated_mlp`` None: inferred from the config."""
+class LayerElements(NamedTuple):
+    """Elements one token keeps per decoder layer (module note), from a config.
+
+    Attributes:
+        total: Σ over the decoder layers (dense and MoE layers differ in their MLP width).
+        largest: the largest single layer (what one recomputed or forward-only layer holds).
+        hidden: the hidden size h.
+        layers: decoder layers.
+        kv: key + value elements per layer.
+    """
+
+    total: int
+    largest: int
+    hidden: int
+    layers: int
+    kv: int
+
+
+def layer_elements(config: Mapping[str, Any] | object, gated_mlp: bool | None = None) -> LayerElements:
+    """Elements a token keeps per decoder layer (:class:`LayerElements`); ``gated_mlp`` None:
+    inferred from the config."""
     cfg = _Config(config)
     h, heads = cfg.get_int("hidden_size"), cfg.get_int("num_attention_heads")
     layers = cfg.get_int("num_hidden_layers")
@@ -96,10 +124,10 @@ def layer_elements(config: Mapping[str, Any] | object, gated_mlp: bool | None = 
     kv_heads = heads if cfg.get_int("kv_lora_rank", default=0, minimum=0) else \
         cfg.get_int("num_key_value_heads", default=heads)
     gated = _infer_gated(cfg) if gated_mlp is None else bool(gated_mlp)
-    f = _mlp_width(cfg, gated)
     kv = kv_heads * (d_qk + d_v)
-    layer = 4 * h + heads * d_qk + kv + heads * d_v + (4 * f if gated else 2 * f)
-    return layer, h, layers, kv
+    base = 4 * h + heads * d_qk + kv + heads * d_v
+    per_layer = [base + (4 * f if gated else 2 * f) for f in _mlp_widths(cfg)]
+    return LayerElements(sum(per_layer), max(per_layer), h, layers, kv)
 
 
 def _dropout(config: Any) -> bool:
@@ -124,7 +152,8 @@ def memory_from_hf_config(cls: Any, config: Mapping[str, Any] | object, *, dtype
     e, le = dtype_bytes(dtype), dtype_bytes(logits_dtype, "logits_dtype")
     t = int_field("tensor_parallel", tensor_parallel, minimum=1)
     m = float_field("margin", margin, minimum=0.0)
-    layer, h, layers, kv = layer_elements(config, gated_mlp)
+    el = layer_elements(config, gated_mlp)
+    layer, h, layers, kv = el.largest, el.hidden, el.layers, el.kv
     heads = _Config(config).get_int("num_attention_heads")
     vocab = _Config(config).get_int("vocab_size")
     up = 0 if le == e else le
@@ -135,7 +164,7 @@ def memory_from_hf_config(cls: Any, config: Mapping[str, Any] | object, *, dtype
         per_token = e * layers * h / t + rest + max(logits_train, e * layer / t)
         copies, score_layers, kv_layers = 2, 1, 1
     else:
-        per_token = e * layers * layer / t + rest + logits_train
+        per_token = e * el.total / t + rest + logits_train
         copies, score_layers, kv_layers = (3 if _dropout(config) else 1), layers, layers
     scores = score_layers * heads * e * copies / t
     sample_sq, row_sq = {"fa2": (0.0, 0.0), "fa3": (0.0, 0.0), "eager": (scores, scores),
