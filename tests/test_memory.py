@@ -278,3 +278,7 @@ def test_from_hf_config_prices_dense_and_moe_layers_each_by_its_own_width():
     assert off.per_token - all_moe.per_token == pytest.approx(2 * (dense - expert))  # bf16: 2 bytes per element
     on = mp.MemoryModel.from_hf_config(dict(moe, first_k_dense_replace=1), gradient_checkpointing=True, **kw)
     assert on.per_token >= 2 * dense  # one dense layer rebuilt at a time
+    # dense and all-MoE configs keep the bytes they had when every layer was priced at one width
+    for cfg, want in ((LLAMA, (26880.0, 19712.0)), (moe, (32512.0, 20224.0))):
+        got = tuple(mp.MemoryModel.from_hf_config(cfg, gradient_checkpointing=ck, **kw).per_token for ck in (False, True))
+        assert got == want
