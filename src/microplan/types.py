@@ -202,20 +202,39 @@ class _Tree:
 Micro.tree = _Tree()  # type: ignore[assignment]  # after @dataclass: the field keeps its default None
 
 
+def _extra(cp_size: int, footprint: Footprint | None) -> dict[str, Any]:
+    """The fields a planner-built Micro sets beyond its span when not at their class default."""
+    extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
+    if footprint is not None:
+        extra["footprint"] = footprint
+    return extra
+
+
+def _make(ds: list[dict[str, Any]], extra: dict[str, Any], tries: Any, bins: list[int] | None) -> list[Micro]:
+    """Micros from their instance dicts (frozen: ``__setattr__`` bypassed), with ``extra`` and, for
+    tree rows, each one's lazy trie source (``tries[bins[k]]``, :class:`_Tree`)."""
+    if extra:
+        for d in ds:
+            d.update(extra)
+    if tries is not None:
+        for d, g in zip(ds, bins):  # type: ignore[arg-type]
+            d["_tries"], d["_g"] = tries, g
+    made = list(map(_new, repeat(Micro, len(ds))))
+    list(map(_set, made, repeat("__dict__"), ds))
+    return made
+
+
 def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tuple[int, ...], cp_size: int,
-               footprint: Footprint | None) -> list[Micro]:
+               footprint: Footprint | None, tries: Any = None, bins: list[int] | None = None) -> list[Micro]:
     """One rank's Micros, the m-th holding ``cols[c][los[m]:his[m]]`` (internal fast path for the
     planner's dp·K micro-batches: one dict per Micro holding ``indices``, the step's columns and the
     offset its other arrays are sliced from on first read (:class:`_Column`; no span tuple: a third
     fewer objects for the garbage collector per Micro); fields at their class default are left
     out of it — attribute lookup falls back to the class — so a Micro costs ~0.5 µs; a rank's
-    empty spans share one placeholder). ``cols``: indices, seq_lens, loss_tokens, loss_scale, read-only."""
+    empty spans share one placeholder). ``cols``: indices, seq_lens, loss_tokens, loss_scale, read-only.
+    ``tries``/``bins``: tree rows, the m-th taking its trie ``tries[bins[m]]`` on first read (:class:`_Tree`)."""
     i = cols[0]
-    extra: dict[str, Any] = {}
-    if cp_size != 1:
-        extra["cp_size"] = cp_size
-    if footprint is not None:
-        extra["footprint"] = footprint
+    extra = _extra(cp_size, footprint)
     full = [k for k, lo, hi in zip(range(len(los)), los, his) if hi > lo]
     row: list[Micro] = []
     if len(full) < len(los):  # placeholders: one shared by the rank, built once (a rank of dp=1,024 may hold none)
@@ -225,12 +244,9 @@ def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tu
         if not full:
             return row
         los, his = [los[k] for k in full], [his[k] for k in full]
-    ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group} for lo, hi in zip(los, his)]
-    if extra:
-        for d in ds:
-            d.update(extra)
-    made = list(map(_new, repeat(Micro, len(ds))))
-    list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+        bins = None if bins is None else [bins[k] for k in full]
+    made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group} for lo, hi in zip(los, his)],
+                 extra, tries, bins)
     if not row:
         return made
     for k, m in zip(full, made):
@@ -239,22 +255,15 @@ def _micro_row(cols: list[np.ndarray], los: list[int], his: list[int], group: tu
 
 
 def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, cp_size: int,
-                footprint: Footprint | None) -> list[list[Micro]]:
+                footprint: Footprint | None, tries: Any = None, bins: list[int] | None = None) -> list[list[Micro]]:
     """Every rank's Micros in one pass when no span is empty (no placeholder): rank r's m-th holds
     ``cols[c][los[r·K + m]:his[r·K + m]]``. The same Micros as :func:`_micro_row` per rank, built
     by one comprehension over the flat grid and cut into rows (16k samples, dp 128: ~0.3 ms less
-    than 128 row calls). ``K`` >= 1."""
+    than 128 row calls). ``K`` >= 1; ``tries``/``bins`` as in :func:`_micro_row`."""
     i = cols[0]
     groups = chain.from_iterable(repeat((r,), K) for r in range(len(los) // K))  # one tuple per rank
-    ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g} for lo, hi, g in zip(los, his, groups)]
-    if cp_size != 1 or footprint is not None:
-        extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
-        if footprint is not None:
-            extra["footprint"] = footprint
-        for d in ds:
-            d.update(extra)
-    made = list(map(_new, repeat(Micro, len(ds))))
-    list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
+    made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g} for lo, hi, g in zip(los, his, groups)],
+                 _extra(cp_size, footprint), tries, bins)
     return [made[k:k + K] for k in range(0, len(made), K)]
 
 
@@ -262,39 +271,12 @@ def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], bin
                      cp_size: int, footprint: Footprint | None) -> list[list[Micro]]:
     """Every rank's Micros of tree rows: rank r's m-th holds ``cols[c][los[r·K + m]:his[r·K + m]]``
     and the trie ``tries[bins[r·K + m]]`` (read on first access of ``tree``: :class:`_Tree`),
-    built as :func:`_micro_row` builds flat ones (one dict each, columns sliced on first read); a
-    rank's empty spans share one placeholder (no trie). ``K`` >= 1."""
-    i = cols[0]
-    extra: dict[str, Any] = {} if cp_size == 1 else {"cp_size": cp_size}
-    if footprint is not None:
-        extra["footprint"] = footprint
-    if all(map(int.__lt__, los, his)):  # no placeholder: one comprehension over the flat grid, as _micro_grid
-        groups = chain.from_iterable(repeat((r,), K) for r in range(len(los) // K))
-        ds = [{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g, "_tries": tries, "_g": b}
-              for lo, hi, g, b in zip(los, his, groups, bins)]
-        if extra:
-            for d in ds:
-                d.update(extra)
-        made = list(map(_new, repeat(Micro, len(ds))))
-        list(map(_set, made, repeat("__dict__"), ds))  # frozen: bypass __setattr__
-        return [made[k:k + K] for k in range(0, len(made), K)]
-    out: list[list[Micro]] = []
-    for r in range(len(los) // K):
-        group, ph, row = (r,), None, []
-        for k in range(r * K, r * K + K):
-            lo, hi = los[k], his[k]
-            if hi == lo:
-                if ph is None:
-                    ph = _new(Micro)
-                    _set(ph, "__dict__", {"indices": i[:0], "_cols": cols, "_lo": 0, "cp_group": group, **extra})
-                row.append(ph)
-                continue
-            m = _new(Micro)
-            _set(m, "__dict__", {"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": group, "_tries": tries,
-                                 "_g": bins[k], **extra})  # frozen: bypass __setattr__
-            row.append(m)
-        out.append(row)
-    return out
+    built as flat rows are (:func:`_micro_grid`, or :func:`_micro_row` per rank when a span is
+    empty: a rank's placeholders share one Micro, without a trie). ``K`` >= 1."""
+    if all(map(int.__lt__, los, his)):
+        return _micro_grid(cols, los, his, K, cp_size, footprint, tries, bins)
+    return [_micro_row(cols, los[k:k + K], his[k:k + K], (k // K,), cp_size, footprint, tries, bins[k:k + K])
+            for k in range(0, len(los), K)]
 
 
 def _same_rules(a: Footprint | None, b: Footprint | None) -> bool:
