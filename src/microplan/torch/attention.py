@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from ..errors import PlanError
 from .segment_groups import grouped_attention, one_segment
-from .tree_attention import CACHE as TREE_PLANS, HAS_SPLIT, split_attention
+from .tree_attention import HAS_SPLIT, split_attention, split_plan
 
 __all__ = ["ATTENTION_NAME", "Segments", "register_attention", "segments_from_cu_seqlens",
            "segments_from_position_ids", "varlen_attention", "segment_attention"]
@@ -174,17 +174,17 @@ def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
 
 
 class _SegmentCache:
-    """One entry: the segments built from the last anchor tensor seen (``position_ids``, or
-    ``cu_seq_lens_q/k``): every layer of a forward receives the same tensors, so the host round
-    trip and the table's checks happen once per forward, not once per layer."""
+    """One entry: what was built from the last anchor tensor seen (``position_ids`` or
+    ``cu_seq_lens_q/k``: the segment table; a tree row's ``key_index``: its split plan): every
+    layer of a forward receives the same tensors, so the host round trip and the table's checks
+    happen once per forward, not once per layer."""
 
     def __init__(self) -> None:
         self._key: tuple[Any, ...] | None = None
         self._ref: weakref.ref | None = None
-        self._segments: Segments | None = None
+        self._segments: Any = None
 
-    def get(self, anchor: torch.Tensor, other: torch.Tensor | None, causal: bool,
-            build: Callable[[], Segments]) -> Segments:
+    def get(self, anchor: torch.Tensor, other: torch.Tensor | None, causal: bool, build: Callable[[], Any]) -> Any:
         key = (anchor._version, tuple(anchor.shape), id(other), None if other is None else other._version, causal)
         if self._ref is not None and self._ref() is anchor and self._key == key:
             return self._segments  # type: ignore[return-value]
@@ -194,6 +194,7 @@ class _SegmentCache:
 
 
 _CACHE = _SegmentCache()
+_SPLIT = _SegmentCache()  # a tree row's split plan (tree_attention.split_plan), keyed on its key index
 
 
 def _table(query: torch.Tensor, attention_mask: torch.Tensor | None, causal: bool, kwargs: dict) -> Segments:
@@ -281,7 +282,9 @@ def _split_tree(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key
     if not causal or kwargs.get("cu_seq_lens_q") is None:
         return None
     seg = _table(query, attention_mask, causal, kwargs)
-    plan = TREE_PLANS.get(key_index, seg, query.shape[2])
+    T = query.shape[2]
+    plan = _SPLIT.get(key_index, kwargs["cu_seq_lens_q"], causal, lambda: split_plan(
+        seg.q_starts, seg.q_ends, seg.k_starts, seg.k_ends, key_index.detach().to("cpu", torch.int64).numpy(), T))
     if plan is None:
         return None
     flat = lambda x: x[0].transpose(0, 1)  # noqa: E731  [1, H, T, D] -> [T, H, D]

@@ -26,12 +26,11 @@ floating-point summation order (float64 ≤ 1e-12 relative, outputs and gradient
 dropout, keys in the row itself (not a context-parallel shard); ``split_plan`` returns None when
 a table does not have this shape (a segment's last keys are not its own rows), and the caller
 keeps the gathered path. Host cost: one pass over the key table per forward (cached across the
-layers that share the table tensor).
+layers that share the table tensor: ``attention._SPLIT``).
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,7 +149,7 @@ class _SplitAttention(torch.autograd.Function):
         for g in plan.groups:
             oa, lse_a = _FWD(_take(query, g.q_range, g.q_index), _take(key, g.k_range, g.k_index),
                              _take(value, g.k_range, g.k_index), 0.0, False, scale=scale)
-            at = 0
+            at, was, own = 0, [], []
             for a, b in g.members:  # merge each member's own causal part into its rows of ``out``
                 os_, lse_s = _FWD(_take(query, (a, b), None), _take(key, (a, b), None), _take(value, (a, b), None),
                                   0.0, True, scale=scale)
@@ -160,8 +159,10 @@ class _SplitAttention(torch.autograd.Function):
                 dst = _take(out, (a, b), None)
                 torch.mul(oa[:, :, at:at + b - a], wa[..., None].to(oa.dtype), out=dst)
                 dst.addcmul_(os_, ws[..., None].to(oa.dtype))
-                lses.append((la, wa, lse_s, ws))
+                was.append(wa)
+                own.append((lse_s, ws))
                 at += b - a
+            lses.append((lse_a, torch.cat(was, dim=2) if len(was) > 1 else was[0], own))
         ctx.save_for_backward(query, key, value, out)
         ctx.plan, ctx.scale, ctx.lses = plan, scale, lses
         return out
@@ -190,11 +191,9 @@ class _SplitAttention(torch.autograd.Function):
         for a, b in plan.roots:
             part((a, b), None, (a, b), None, next(lses), None, True)
         for g in plan.groups:
-            own = [next(lses) for _ in g.members]
-            lse_a = torch.cat([x[0] for x in own], dim=2) if len(own) > 1 else own[0][0]
-            wa = torch.cat([x[1] for x in own], dim=2) if len(own) > 1 else own[0][1]
-            part(g.q_range, g.q_index, g.k_range, g.k_index, lse_a.contiguous(), wa, False)
-            for (a, b), (_, _, lse_s, ws) in zip(g.members, own):
+            lse_a, wa, own = next(lses)
+            part(g.q_range, g.q_index, g.k_range, g.k_index, lse_a, wa, False)
+            for (a, b), (lse_s, ws) in zip(g.members, own):
                 part((a, b), None, (a, b), None, lse_s, ws, True)
         return dq, dk, dv, None, None
 
@@ -204,27 +203,3 @@ def split_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     """Tree-row attention by :class:`SplitPlan`: ``query [N, Hq, D]``, ``key/value [N, Hkv, D]``
     (the row's own keys, not gathered) → ``[N, Hq, Dv]`` (0 for rows in no segment)."""
     return _SplitAttention.apply(query, key, value, plan, scale)
-
-
-class _PlanCache:
-    """The split plan of the last key-index tensor seen: every layer of a forward passes the same one."""
-
-    def __init__(self) -> None:
-        self._ref: weakref.ref | None = None
-        self._key: tuple[Any, ...] | None = None
-        self._plan: SplitPlan | None = None
-
-    def get(self, key_index: torch.Tensor, segments: Any, num_tokens: int) -> SplitPlan | None:
-        """The split plan of ``segments`` (a causal tree table over ``key_index``) for a row of
-        ``num_tokens`` queries, or None (``split_plan``)."""
-        k = (key_index._version, tuple(key_index.shape), segments.q_starts, segments.k_ends, num_tokens)
-        if self._ref is not None and self._ref() is key_index and self._key == k:
-            return self._plan
-        s = segments
-        plan = split_plan(s.q_starts, s.q_ends, s.k_starts, s.k_ends,
-                          key_index.detach().to("cpu", torch.int64).numpy(), num_tokens) if s.causal else None
-        self._ref, self._key, self._plan = weakref.ref(key_index), k, plan
-        return plan
-
-
-CACHE = _PlanCache()
