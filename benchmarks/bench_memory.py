@@ -163,7 +163,9 @@ def _sharing_cell(cap: int) -> dict:
     res = profile_memory(run, max_tokens_per_micro=cap, vocab_size=VOCAB, trees=True)
     B = res.model.micro_bytes([cap // 4] * 4)
     toks, batch = grpo_groups(16, (cap // 16, cap // 4), (cap // 32, cap // 6), vocab=VOCAB, seed=2)
-    out = {"arch": "llama (microplan attention)", "tree_factor": res.model.tree_factor, "budget": B}
+    ratios = [r["bytes"] / r["predicted"] for r in res.rows if r.get("pass") == "tree"]
+    out = {"arch": "llama (microplan attention)", "tree_factor": res.model.tree_factor, "budget": B,
+           "tree_rows_over_flat": [min(ratios), max(ratios)]}
     for share in (True, False):
         plan = mp.plan(batch, mp.PlanConfig(dp_size=2, memory=res.model, max_bytes_per_micro=B, share_prefixes=share))
         peaks = [peak_bytes(lambda: run(pack_micro(m, toks))) for s in plan.steps for row in s.micros
@@ -240,8 +242,9 @@ def main() -> None:
               f"{c['hf_median']:6.1%}/{c['hf_worst']:5.1%} {c['fullest']:7.3f} {c['byte_K']:7d} / {c['token_K']:<5d} "
               f"{c['forward_cap'] / c['byte_cap']:12.2f}x")
     share = _sharing_cell(cap)
-    print(f"\nshared prefixes (16 prompts x 4, microplan attention, tree_factor {share['tree_factor']:.3f}): "
-          "max peak / B "
+    lo, hi = share["tree_rows_over_flat"]
+    print(f"\nshared prefixes (16 prompts x 4, microplan attention, tree_factor {share['tree_factor']:.3f}; "
+          f"tree rows measure {lo:.3f}-{hi:.3f} of the flat prediction): max peak / B "
           f"{share['shared_max_peak_over_B']:.3f} with sharing (K {share['shared_K']}), "
           f"{share['flat_max_peak_over_B']:.3f} without (K {share['flat_K']})")
     dense = _dense_case(cap)

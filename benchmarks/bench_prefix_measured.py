@@ -21,7 +21,9 @@ tokens). Targets: fwd+bwd ≥ 2× faster with sharing on the step-wise and GRPO 
 family, both passes. Measured, not predicted: the plan's cost model never sees these timings.
 
 Run: ``python -m benchmarks.bench_prefix_measured [--quick]``; writes
-``benchmarks/results/prefix-measured-<date>-<host>.json``.
+``benchmarks/results/prefix-measured-<date>-<host>.json``. ``--profile FAMILY`` instead profiles
+that family's log-prob pass (torch.profiler: matrix products, attention kernels) and prints the
+efficiency bound the attention share implies.
 """
 
 from __future__ import annotations
@@ -178,6 +180,32 @@ def measure(net, batch: mp.Batch, toks, dp: int, cap: int, repeats: int) -> dict
     return out
 
 
+ATTENTION_OPS = ("flash_attention", "scaled_dot_product", "_efficient_attention")
+
+
+def profile_pass(net, batch: mp.Batch, toks, dp: int, cap: int, pass_: str = "logprob") -> dict:
+    """torch.profiler self CPU seconds of one pass over every micro-batch of both plans: matrix
+    products (``aten::mm``/``addmm``/``bmm``), attention kernels, and the total; the attention share
+    ``a`` of the unshared pass bounds the efficiency at 1 / (1 + a · (token ratio / attn ratio − 1))."""
+    out: dict = {}
+    for share in (False, True):
+        plan = mp.plan(batch, mp.PlanConfig(dp_size=dp, max_tokens_per_micro=cap, share_prefixes=share))
+        micros = [m for st in plan.steps for row in st.micros for m in row if not m.is_placeholder]
+        for m in micros:  # warm-up
+            run_micro(net, m, toks, pass_)
+        with torch.profiler.profile() as prof:
+            for m in micros:
+                run_micro(net, m, toks, pass_)
+        ev = prof.key_averages()
+        total = sum(e.self_cpu_time_total for e in ev) / 1e6
+        mm = sum(e.self_cpu_time_total for e in ev if e.key in ("aten::mm", "aten::addmm", "aten::bmm")) / 1e6
+        attn = sum(e.self_cpu_time_total for e in ev if any(k in e.key for k in ATTENTION_OPS)) / 1e6
+        out["shared" if share else "unshared"] = dict(total_s=total, matmul_s=mm, attention_s=attn,
+                                                      tokens=plan.stats.tokens_with_sharing,
+                                                      pairs=sum(attention_pairs(m, toks) for m in micros))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller steps and model")
@@ -186,10 +214,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--profile", metavar="FAMILY", help="instead: torch.profiler op totals of FAMILY's log-prob pass "
+                    "(matrix products, attention kernels) and the efficiency bound their shares imply")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     layers, hidden = (2, 128) if args.quick else (4, 512)
     net = model(layers, hidden)
+    if args.profile:
+        batch = families(args.quick)[args.profile]
+        toks = tokens_for(batch, seed=7)
+        pr = profile_pass(net, batch, toks, args.dp, args.cap)
+        u, s_ = pr["unshared"], pr["shared"]
+        tr = u["tokens"] / s_["tokens"]
+        ar = u["pairs"] / s_["pairs"]
+        a = u["attention_s"] / u["total_s"]
+        print(f"{args.profile}, log-prob pass, self CPU s unshared / shared: total {u['total_s']:.2f} / "
+              f"{s_['total_s']:.2f}, matrix products {u['matmul_s']:.2f} / {s_['matmul_s']:.2f} "
+              f"({u['matmul_s'] / s_['matmul_s']:.2f}x), attention {u['attention_s']:.2f} / {s_['attention_s']:.2f} "
+              f"({u['attention_s'] / s_['attention_s']:.2f}x); token ratio {tr:.2f}, attn ratio {ar:.2f}; attention "
+              f"share a = {a:.3f}: efficiency bound 1 / (1 + a (token/attn - 1)) = {1 / (1 + a * (tr / ar - 1)):.3f}")
+        return pr
     rows = []
     print(f"Llama {layers} layers, hidden {hidden}, float32 on CPU ({args.threads} threads), register_attention(); "
           f"dp={args.dp}, cap={args.cap}; min of {args.repeats} timed runs per micro-batch, plans and passes "
