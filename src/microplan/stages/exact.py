@@ -178,28 +178,37 @@ def _first_fits(lens: np.ndarray, order: np.ndarray, m: int, cap: int, bin_of: n
     for at in range(big, order.size, FFD_BLOCK):
         idx = order[at:at + FFD_BLOCK]
         ls = lens[idx]
+        ls_l = ls.tolist()
         first = np.searchsorted(np.maximum.accumulate(free), ls, side="left").tolist()
-        for i, L, b in zip(idx.tolist(), ls.tolist(), first):
+        for k, (L, b) in enumerate(zip(ls_l, first)):
             if b >= m:
                 return False
             if free_l[b] < L:
                 b = _next_fit(free, free_l, b + 1, L)
                 if b < 0:
                     return False
-            bin_of[i] = b
+            first[k] = b
             free_l[b] -= L
-            free[b] -= L
-            count[b] += 1
+        np.subtract.at(free, first, ls)  # the block's bins, written once: ``free`` is stale within a block
+        bin_of[idx] = first
     load[:] = cap - free
+    count += np.bincount(bin_of[order[big:]], minlength=m)
     return True
 
 
 def _next_fit(free: np.ndarray, free_l: list[int], lo: int, L: int) -> int:
     """The first bin from ``lo`` on with room for L (-1 if none): the next ``FFD_SCAN`` bins one by
-    one, then one masked search over the rest."""
+    one, then one masked search over the rest. ``free`` may be stale (never below ``free_l``, the
+    current rooms): a masked hit is confirmed in ``free_l``."""
     for b in range(lo, min(lo + FFD_SCAN, len(free_l))):
         if free_l[b] >= L:
             return b
     lo += FFD_SCAN
-    after = np.flatnonzero(free[lo:] >= L) if lo < free.size else free[:0]
-    return lo + int(after[0]) if after.size else -1
+    while lo < free.size:
+        b = lo + int(np.argmax(free[lo:] >= L))
+        if free_l[b] >= L:
+            return b
+        if free[b] < L:  # argmax of no hit: none left
+            return -1
+        lo = b + 1  # a stale hit: its room went to this block
+    return -1

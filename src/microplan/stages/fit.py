@@ -46,7 +46,7 @@ from .kchoice import KChoice, choose_k, choose_k_pipeline, packed_slope, step_sl
 from .layout import StepLayout
 from .hedge import hedge_lockstep, hedge_scenarios
 from .lockstep import refine_lockstep
-from .pack import Extra, bins_lower_bound, lpt_pack, lpt_pack_wide, round_robin_pack
+from .pack import Extra, bins_lower_bound, lpt_pack_wide, round_robin_pack
 from .padded import PaddedSamples, pack_padded
 from .pipeline import slot_order, step_pipeline_time
 from .refine import refine_bins
@@ -292,8 +292,8 @@ def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap
                 extra: Extra | None = None, targets: np.ndarray | None = None) -> np.ndarray | None:
     """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
     bin_of = None
+    order = stable_argsort_via(costs, lens, descending=True)  # LPT's placement order (both passes), the targets' sort
     if m == D * K and K > 1:
-        order = stable_argsort_via(costs, lens, descending=True)  # LPT's placement order, the targets' sort
         offset = np.repeat(slot_targets(costs, D, K, order) if targets is None else targets, D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
         bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, load=load, extra=extra, order=order)
@@ -301,7 +301,7 @@ def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap
             bin_of = None
         if bin_of is not None:
             return refine_bins(bin_of, lens, costs, m, cap, offset=offset, extra=extra)
-    bin_of = lpt_pack(lens, costs, m, cap, extra)
+    bin_of = lpt_pack_wide(lens, costs, np.ones(m, dtype=np.int64), cap, extra=extra, order=order)
     return None if bin_of is None else refine_bins(bin_of, lens, costs, m, cap, extra=extra)
 
 
