@@ -481,4 +481,4 @@ def test_lex_order_packed_equals_lexsort(n, sets, seed):
     p = rng.permutation(keys.size)
     a, b, c = a[p], b[p], c[p]
     assert _lex_order(a, b, c, n, packed=True).tolist() == _lex_order(a, b, c, n, packed=False).tolist() \
-        == np.lexsort((c, b, a)).tolist()
+        == c[np.lexsort((c, b, a))].tolist()

@@ -321,10 +321,15 @@ def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_
 
 
 def _lex_order(a: np.ndarray, b: np.ndarray, c: np.ndarray, n: int, *, packed: bool) -> np.ndarray:
-    """``np.lexsort((c, b, a))`` for int64 keys with b, c in [0, n) and the triples distinct;
-    ``packed`` (when max(a)·n² fits int64): one argsort of (a·n + b)·n + c, the same order
-    (distinct keys sort one way) for a fraction of lexsort's time."""
-    return np.argsort((a * n + b) * n + c, kind="stable") if packed else np.lexsort((c, b, a))
+    """``c[np.lexsort((c, b, a))]`` for int64 keys with b, c in [0, n) and the triples distinct:
+    ``c`` in the order of (a, b, c). ``packed`` (when max(a)·n² fits int64): the key
+    (a·n + b)·n + c, c itself where that key is ascending already (GRPO micro-batches: a sample's
+    root precedes it), else one plain sort of it, whose low part is c (distinct keys need no
+    stable sort nor permutation)."""
+    if not packed:
+        return c[np.lexsort((c, b, a))]
+    key = (a * n + b) * n + c
+    return c.copy() if bool((key[1:] > key[:-1]).all()) else np.sort(key) % n
 
 
 def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
@@ -332,28 +337,36 @@ def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of
     """Every set's ``dfs_order``, concatenated set after set, and the bounds of set k
     (``flat[bounds[k]:bounds[k + 1]]``): sets whose sample forest is one level deep (a root and
     samples hanging from it, or from a root outside the set: GRPO micro-batches) in one sort by
-    (set, root, sample); the others one by one. O(M log M)."""
+    (set, root, sample); the others one by one. A sample's parent is looked up in the sets by a
+    table over the batch where every sample is in one set (the planner's bins), else by binary
+    search. O(M log M)."""
     members, set_of = np.asarray(members, dtype=np.int64), np.asarray(set_of, dtype=np.int64)
     n = parent.size
     key = np.sort(set_of * n + members)
-    key = key[np.concatenate([[True], key[1:] != key[:-1]])] if key.size else key
-    sets, x = key // n, key % n
+    step = key[1:] != key[:-1]
+    key = key if step.all() else key[np.concatenate([[True], step])]
+    sets, x = np.divmod(key, n) if n else (key, key)
     ep = np.where((parent >= 0) & (shared > 0), parent, -1)
     p1 = ep[x]
-    held = np.zeros(x.size, dtype=bool)                              # p1 is in the same set
-    pos = np.searchsorted(key, sets * n + np.maximum(p1, 0))
-    held[p1 >= 0] = key[np.minimum(pos, key.size - 1)][p1 >= 0] == (sets * n + p1)[p1 >= 0]
-    p2 = np.where(p1 >= 0, ep[np.maximum(p1, 0)], -1)
-    root = (p1 < 0) | (~held & (p2 < 0))                             # nothing above it in the set
+    has = p1 >= 0
+    at = np.full(n, -1, dtype=np.int64)               # each sample's place in key, if it is in one set only
+    at[x] = np.arange(x.size)
+    if (at[x] == np.arange(x.size)).all():
+        pos = at[np.maximum(p1, 0)]
+        held = has & (pos >= 0) & (sets[pos] == sets)                # p1 is in the same set
+    else:
+        pos = np.searchsorted(key, sets * n + np.maximum(p1, 0))
+        held = np.zeros(x.size, dtype=bool)
+        held[has] = key[np.minimum(pos, key.size - 1)][has] == (sets * n + p1)[has]
+    p2 = np.where(has, ep[np.maximum(p1, 0)], -1)
+    root = ~has | (~held & (p2 < 0))                                 # nothing above it in the set
     slow = ~held & ~root                                             # an outside sample in between
     parent_in = np.where(held, pos, 0)
     slow |= held & ~root[parent_in]                                  # two levels deep
     bad = np.zeros(num_sets, dtype=bool)
     bad[sets[slow]] = True
-    top = np.where(root, x, p1)
-    o = _lex_order(sets, top, x, n, packed=num_sets * n * n < 2 ** 62)
-    x_o = x[o]
-    cut = np.searchsorted(sets[o], np.arange(num_sets + 1))
+    x_o = _lex_order(sets, np.where(root, x, p1), x, n, packed=num_sets * n * n < 2 ** 62)
+    cut = np.searchsorted(sets, np.arange(num_sets + 1))            # sets ascending (the key's order)
     for k in np.flatnonzero(bad).tolist():  # deeper forests: the set's own depth-first walk, in place
         lo, hi = int(cut[k]), int(cut[k + 1])
         x_o[lo:hi] = dfs_order(parent, shared, x_o[lo:hi])

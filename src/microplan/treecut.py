@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .trie_sets import TrieSets, _distinct, _i64, _links, _unique_inverse, set_tries
+from .trie_sets import TrieSets, _ascending, _distinct, _i64, _int_bincount, _links, _unique_inverse, set_tries
 
 __all__ = ["TreeCut", "StepTrees", "cut_trees", "step_trees", "forest_roots"]
 
@@ -288,6 +288,8 @@ class StepTrees(NamedTuple):
     roots: np.ndarray     # per tree: its root
     tree: np.ndarray      # per uniq: its tree
     exact: TrieSets       # per tree: its whole trie (padded segments)
+    star: np.ndarray      # per tree: a star (:func:`_stars`; multiple 1 only, else all False)
+    at: np.ndarray | None  # per sample as given: its index in ``uniq`` (None: the samples are ``uniq``)
 
     def cut(self, limit: int) -> TreeCut:
         """``cut_trees(parent, shared, lens, samples, limit, multiple=multiple)``."""
@@ -303,30 +305,36 @@ def step_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples
     m = int(multiple)
     ep, start = _links(parent, shared)
     uniq = _distinct(samples)
+    at = None if uniq.size == samples.size and _ascending(samples) else np.searchsorted(uniq, samples)
     if uniq.size == 0:
         z = np.zeros(0, dtype=np.int64)
-        return StepTrees(parent, shared, lens, samples, m, ep, start, z, z, z, z, z, TrieSets(z, np.zeros(0)))
+        return StepTrees(parent, shared, lens, samples, m, ep, start, z, z, z, z, z, TrieSets(z, np.zeros(0)),
+                         np.zeros(0, dtype=bool), at)
     is_member = np.zeros(parent.size, dtype=bool)
     is_member[uniq] = True
     ab = _above(ep, is_member)
     near, root = ab.near[uniq], ab.root[uniq]
     roots, tree = _unique_inverse(root)
+    T = roots.size
+    star = _stars(ep[uniq], near, root, tree, np.ones(T, dtype=bool)) if m == 1 else np.zeros(T, dtype=bool)
     return StepTrees(parent, shared, lens, samples, m, ep, start, uniq, near, root, roots, tree,
-                     _whole_tries(parent, shared, lens, m, ep, uniq, near, root, roots, tree))
+                     _whole_tries(parent, shared, lens, m, uniq, near, roots, tree, star), star, at)
 
 
-def _whole_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, m: int, ep: np.ndarray, uniq: np.ndarray,
-                 near: np.ndarray, root: np.ndarray, roots: np.ndarray, tree: np.ndarray) -> TrieSets:
+def _whole_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, m: int, uniq: np.ndarray,
+                 near: np.ndarray, roots: np.ndarray, tree: np.ndarray, star: np.ndarray) -> TrieSets:
     """Each tree's whole trie: stars (multiple 1) in closed form (:func:`_star_parts`, the root in
     the part), the others by one ``set_tries``."""
     T = roots.size
-    star = _stars(ep[uniq], near, root, tree, np.ones(T, dtype=bool)) if m == 1 else np.zeros(T, dtype=bool)
     if not star.any():
         return set_tries(parent, shared, lens, uniq, tree, T, multiple=m)
+    sm = np.flatnonzero(star[tree])
+    st, tokens_st, dsq_st, _ = _star_parts(tree[sm], uniq[sm], near[sm] >= 0, shared, lens, T)
+    if st.size == T:   # every tree a star: st is 0 .. T − 1
+        return TrieSets(tokens_st, dsq_st)
     tokens = np.zeros(T, dtype=np.int64)
     dsq = np.zeros(T, dtype=np.float64)
-    st = np.flatnonzero(star)
-    tokens[st], dsq[st] = _star_parts(np.flatnonzero(star[tree]), tree, uniq, near, shared, lens, T, st)
+    tokens[st], dsq[st] = tokens_st, dsq_st
     if not star.all():
         other = np.flatnonzero(~star)
         sel = np.flatnonzero(~star[tree])
@@ -352,19 +360,16 @@ def cut_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples:
 def _cut(st: StepTrees, limit: int) -> TreeCut:
     """The atoms of :func:`cut_trees` at ``limit`` from the step's trees."""
     parent, shared, lens, m = st.parent, st.shared, st.lens, st.multiple
-    ep, start, uniq, near, root, roots, tree, exact = st.ep, st.start, st.uniq, st.near, st.root, st.roots, st.tree, \
-        st.exact
+    ep, start, uniq, near, roots, tree, exact = st.ep, st.start, st.uniq, st.near, st.roots, st.tree, st.exact
     if uniq.size == 0:
         z = np.zeros(0, dtype=np.int64)
         return TreeCut(z, z, np.zeros(0), z)
     whole = exact.tokens <= limit
     local = np.zeros(uniq.size, dtype=np.int64)      # each member's part within its tree
     count = np.ones(roots.size, dtype=np.int64)       # parts per tree
-    star = np.zeros(roots.size, dtype=bool)
-    if m == 1 and not whole.all():
-        star = _stars(ep[uniq], near, root, tree, ~whole)
-        if star.any():
-            _cut_stars(star, roots, tree, uniq, near, shared, lens, limit, local, count)
+    star = st.star & ~whole                           # the stars to cut (none unless multiple 1)
+    if star.any():
+        _cut_stars(star, roots, tree, uniq, near, shared, lens, limit, local, count)
     parts_of: dict[int, list[_Part]] = {}
     big = np.flatnonzero(~whole & ~star)
     if big.size:
@@ -395,34 +400,40 @@ def _cut(st: StepTrees, limit: int) -> TreeCut:
     tokens[w], dsq[w], first[w] = exact.tokens[whole], exact.depth_sq[whole], roots[whole]
     if star.any():   # star parts: their tries in closed form; first = least member (root, then children in order)
         sm = np.flatnonzero(star[tree])
-        at = _distinct(atom_u[sm])
-        tokens[at], dsq[at] = _star_parts(sm, atom_u, uniq, near, shared, lens, A, at)
-        np.minimum.at(first, atom_u[sm], uniq[sm])
+        at, tokens_at, dsq_at, first_at = _star_parts(atom_u[sm], uniq[sm], near[sm] >= 0, shared, lens, A)
+        tokens[at], dsq[at], first[at] = tokens_at, dsq_at, first_at
     for t, ps in parts_of.items():
         for q, part in enumerate(ps):
             a = int(offset[t]) + q
             tokens[a], dsq[a], first[a] = part.tokens, part.dsq, part.members[0]
-    return TreeCut(atom_u[np.searchsorted(st.uniq, st.samples)], tokens, dsq, first)
+    return TreeCut(atom_u if st.at is None else atom_u[st.at], tokens, dsq, first)
 
 
-def _star_parts(sm: np.ndarray, atom_u: np.ndarray, uniq: np.ndarray, near: np.ndarray, shared: np.ndarray,
-                lens: np.ndarray, A: int, at: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens, depth_sq) of the star parts ``at`` (members ``sm``, multiple 1): a part holds the
-    root's positions [0, H) — H = L_root when the root is in it, else the longest prefix a child
-    shares with the root — and each child c's own [s_c, L_c), so tokens = H + Σ (L_c − s_c) and
-    depth_sq = H² + Σ (L_c² − s_c²) (``set_tries`` of the part, exactly: integers)."""
-    a, x = atom_u[sm], uniq[sm]
-    kid = near[sm] >= 0
+def _star_parts(a: np.ndarray, x: np.ndarray, kid: np.ndarray, shared: np.ndarray, lens: np.ndarray,
+                A: int) -> tuple[np.ndarray, ...]:
+    """(atoms, tokens, depth_sq, least member) of the star parts of members ``x`` (part ``a`` of
+    each, among ``A``; ``kid``: not its tree's root; multiple 1), the atoms ascending: a part
+    holds the root's positions [0, H) — H = L_root when the root is in it, else the longest prefix
+    a child shares with the root — and each child c's own [s_c, L_c), so tokens = H + Σ (L_c − s_c)
+    and depth_sq = H² + Σ (L_c² − s_c²) (``set_tries`` of the part, exactly: integers). Members
+    grouped by part already (``a`` non-decreasing: the planner's samples come sorted) are reduced
+    run by run, others scattered."""
     L = lens[x]
-    s = np.where(kid, np.minimum(shared[x], L), 0)       # a root reaches its own L (s = 0, counted in H)
-    H = np.zeros(A, dtype=np.int64)
-    np.maximum.at(H, a, np.where(kid, s, L))
-    own = np.where(kid, L - s, 0)
-    tok = np.zeros(A, dtype=np.int64)
+    s = np.where(kid, np.minimum(shared[x], L), L)   # a root reaches its own L and owns nothing past H
+    own, sq = L - s, L * L - s * s
+    if _ascending(a):
+        heads = np.flatnonzero(np.concatenate([[True], a[1:] != a[:-1]]))
+        H = np.maximum(np.maximum.reduceat(s, heads), 0)
+        return (a[heads], H + np.add.reduceat(own, heads), (H * H + np.add.reduceat(sq, heads)).astype(np.float64),
+                np.minimum.reduceat(x, heads))
+    at = _distinct(a)
+    H, tok, sq_a = np.zeros(A, dtype=np.int64), np.zeros(A, dtype=np.int64), np.zeros(A, dtype=np.int64)
+    first = np.full(A, np.iinfo(np.int64).max, dtype=np.int64)
+    np.maximum.at(H, a, s)
     np.add.at(tok, a, own)
-    sq = np.zeros(A, dtype=np.int64)
-    np.add.at(sq, a, np.where(kid, L * L - s * s, 0))
-    return (H + tok)[at], (H * H + sq)[at].astype(np.float64)
+    np.add.at(sq_a, a, sq)
+    np.minimum.at(first, a, x)
+    return at, (H + tok)[at], (H * H + sq_a)[at].astype(np.float64), first[at]
 
 
 _STAR_MAX = 64   # stars with more children are cut by the Python greedy (fewer, longer lockstep rounds)
@@ -433,8 +444,7 @@ def _stars(ep_u: np.ndarray, near: np.ndarray, root: np.ndarray, tree: np.ndarra
     kid = near >= 0
     bad = kid & ((near != root) | (ep_u != near))
     nt = cut.size
-    ok = cut & (np.bincount(tree, weights=bad, minlength=nt) == 0)
-    return ok & (np.bincount(tree, weights=kid, minlength=nt) <= _STAR_MAX)
+    return cut & (np.bincount(tree[bad], minlength=nt) == 0) & (np.bincount(tree[kid], minlength=nt) <= _STAR_MAX)
 
 
 def _cut_stars(star: np.ndarray, roots: np.ndarray, tree: np.ndarray, uniq: np.ndarray, near: np.ndarray,
@@ -444,27 +454,42 @@ def _cut_stars(star: np.ndarray, roots: np.ndarray, tree: np.ndarray, uniq: np.n
     In a star the root comes first (its subtree is too large: it is placed alone), then each
     child c in order covers min(s_c, H) of its tokens, H being how far the part's members reach
     into the root's sequence (L_root if the root is in the part, else the largest s of its
-    children): the child joins if the rest fits, else it starts a fresh part (L_c tokens)."""
+    children): the child joins if the rest fits, else it starts a fresh part (L_c tokens).
+    Round r takes the r-th child of every tree that has one; when every tree has as many
+    children (GRPO groups) a round is a column of the trees × children grid, no gather."""
+    count[star] = 1                                   # the root's part
     kids = np.flatnonzero(star[tree] & (near >= 0))
-    kids = kids[np.argsort(tree[kids], kind="stable")]
+    if not kids.size:
+        return
     kt = tree[kids]
-    heads = np.flatnonzero(np.concatenate([[True], kt[1:] != kt[:-1]])) if kids.size else kids
-    rank = np.arange(kids.size) - np.repeat(heads, np.diff(np.concatenate([heads, [kids.size]])))
-    T = np.zeros(roots.size, dtype=np.int64)
-    H = np.zeros(roots.size, dtype=np.int64)
-    part = np.zeros(roots.size, dtype=np.int64)
-    T[star] = H[star] = lens[roots[star]]
-    by_rank = np.argsort(rank, kind="stable")
-    cuts = np.flatnonzero(np.diff(rank[by_rank])) + 1
-    for idx in np.split(kids[by_rank], cuts) if kids.size else []:
-        t = tree[idx]
-        x = uniq[idx]
-        s, L = shared[x], lens[x]
-        cov = np.minimum(s, H[t])
-        grown = T[t] + L - cov
+    if not _ascending(kt):
+        o = np.argsort(kt, kind="stable")
+        kids, kt = kids[o], kt[o]
+    heads = np.flatnonzero(np.concatenate([[True], kt[1:] != kt[:-1]]))
+    sizes = np.diff(np.concatenate([heads, [kids.size]]))
+    trees = kt[heads]                                  # the stars with children, ascending; compact ids 0 .. nt − 1
+    nt, c0 = trees.size, int(sizes[0])
+    if (sizes == c0).all():
+        order, bounds, which = kids.reshape(nt, c0).T.ravel(), range(0, kids.size + 1, nt), None
+    else:
+        rank = np.arange(kids.size) - np.repeat(heads, sizes)
+        by_rank = np.argsort(rank, kind="stable")
+        order = kids[by_rank]
+        which = np.repeat(np.arange(nt), sizes)[by_rank]
+        bounds = [0] + (np.flatnonzero(np.diff(rank[by_rank])) + 1).tolist() + [kids.size]
+    x = uniq[order]
+    S, Ls = shared[x], lens[x]
+    T = lens[roots[trees]]
+    H = T.copy()
+    part = np.zeros(nt, dtype=np.int64)
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        t = slice(None) if which is None else which[lo:hi]
+        s, L = S[lo:hi], Ls[lo:hi]
+        Ht = H[t]
+        grown = T[t] + L - np.minimum(s, Ht)
         fresh = grown > limit
         part[t] += fresh
         T[t] = np.where(fresh, L, grown)
-        H[t] = np.where(fresh, s, np.maximum(H[t], s))
-        local[idx] = part[t]
-    count[star] = part[star] + 1
+        H[t] = np.where(fresh, s, np.maximum(Ht, s))
+        local[order[lo:hi]] = part[t]
+    count[trees] = part + 1

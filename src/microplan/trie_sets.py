@@ -67,14 +67,25 @@ def forest_depths(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
         jump[has] = jump[j]
 
 
+def _ascending(x: np.ndarray) -> bool:
+    """Whether ``x`` is non-decreasing (one O(n) pass: the planner's ids mostly come sorted)."""
+    return bool((x[1:] >= x[:-1]).all())
+
+
 def _distinct(x: np.ndarray) -> np.ndarray:
-    """Sorted distinct values (a sort and a mask: numpy's hashing unique is slower on int64 keys)."""
-    x = np.sort(x)
+    """Sorted distinct values (a sort, skipped when ``x`` is sorted already, and a mask: numpy's
+    hashing unique is slower on int64 keys)."""
+    if not _ascending(x):
+        x = np.sort(x)
     return x[np.concatenate([[True], x[1:] != x[:-1]])] if x.size else x
 
 
 def _unique_inverse(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``np.unique(x, return_inverse=True)`` by one stable sort (numpy's hashing path is slower)."""
+    """``np.unique(x, return_inverse=True)`` by one stable sort (numpy's hashing path is slower),
+    none when ``x`` is sorted already."""
+    if _ascending(x):
+        head = np.concatenate([[True], x[1:] != x[:-1]]) if x.size else np.zeros(0, dtype=bool)
+        return x[head], np.cumsum(head) - 1
     o = np.argsort(x, kind="stable")
     xs = x[o]
     head = np.concatenate([[True], xs[1:] != xs[:-1]]) if x.size else np.zeros(0, dtype=bool)

@@ -262,8 +262,16 @@ def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, 
     than 128 row calls). ``K`` >= 1; ``tries``/``bins`` as in :func:`_micro_row`."""
     i = cols[0]
     groups = chain.from_iterable(repeat((r,), K) for r in range(len(los) // K))  # one tuple per rank
-    made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g} for lo, hi, g in zip(los, his, groups)],
-                 _extra(cp_size, footprint), tries, bins)
+    extra = _extra(cp_size, footprint)
+    if tries is None:
+        made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g}
+                      for lo, hi, g in zip(los, his, groups)], extra, None, None)
+    elif extra:  # the dicts _make fills, keys in its order, each in one literal
+        made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g, **extra, "_tries": tries, "_g": b}
+                      for lo, hi, g, b in zip(los, his, groups, bins)], {}, None, None)  # type: ignore[arg-type]
+    else:
+        made = _make([{"indices": i[lo:hi], "_cols": cols, "_lo": lo, "cp_group": g, "_tries": tries, "_g": b}
+                      for lo, hi, g, b in zip(los, his, groups, bins)], {}, None, None)  # type: ignore[arg-type]
     return [made[k:k + K] for k in range(0, len(made), K)]
 
 

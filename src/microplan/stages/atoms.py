@@ -189,12 +189,20 @@ def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:
 def _components(members: np.ndarray, ptr: np.ndarray, rollout_codes: np.ndarray) -> np.ndarray:
     """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts).
 
-    Label propagation over the bipartite atom–rollout graph: an atom takes the least label of its
-    rollouts, a rollout the least label of its atoms, until nothing changes (a rollout is rarely cut
-    over atoms, so this settles in one or two rounds). O(members) numpy per round."""
+    When no rollout spans two atoms (the common case: a rollout is rarely cut over tree parts)
+    each atom is its own component: the least code of its members, one pass over the atoms'
+    member runs. Otherwise label propagation over the bipartite atom–rollout graph: an atom takes
+    the least label of its rollouts, a rollout the least label of its atoms, until nothing changes
+    (this settles in one or two rounds). O(members) numpy per round."""
     codes = rollout_codes[members]
     A = ptr.size - 1
-    atom = np.repeat(np.arange(A), np.diff(ptr))
+    sizes = np.diff(ptr)
+    atom = np.repeat(np.arange(A), sizes)
+    if A and (sizes > 0).all() and 0 <= int(codes.min()) and int(codes.max()) < rollout_codes.size:  # dense codes
+        where = np.empty(int(codes.max()) + 1, dtype=np.int64)
+        where[codes] = atom                  # one atom per code, if every member of the code agrees
+        if (where[codes] == atom).all():
+            return np.minimum.reduceat(codes, ptr[:-1]).astype(np.int64, copy=False)
     uniq, inv = np.unique(codes, return_inverse=True)
     label = uniq.astype(np.int64).copy()          # per rollout code
     big = np.iinfo(np.int64).max
