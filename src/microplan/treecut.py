@@ -70,7 +70,11 @@ def _above(ep: np.ndarray, is_member: np.ndarray) -> _Above:
 def forest_roots(parent: np.ndarray, shared: np.ndarray) -> np.ndarray:
     """Per sample, the root of its prefix tree in the whole forest (climbing every link that shares
     a token, members of a step or not): samples of different roots share no token. O(N log depth)."""
-    ep, _ = _links(_i64(parent), _i64(shared))
+    return _roots(_links(_i64(parent), _i64(shared))[0])
+
+
+def _roots(ep: np.ndarray) -> np.ndarray:
+    """Per sample, the root above it along the links ``ep`` (-1: none)."""
     return _last(np.where(ep >= 0, ep, np.arange(ep.size, dtype=np.int64)))
 
 
@@ -310,13 +314,16 @@ def step_trees(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, samples
         z = np.zeros(0, dtype=np.int64)
         return StepTrees(parent, shared, lens, samples, m, ep, start, z, z, z, z, z, TrieSets(z, np.zeros(0)),
                          np.zeros(0, dtype=bool), at)
-    is_member = np.zeros(parent.size, dtype=bool)
-    is_member[uniq] = True
-    ab = _above(ep, is_member)
-    near, root = ab.near[uniq], ab.root[uniq]
+    if uniq.size == parent.size:   # the whole batch (uniq is 0 .. n − 1): a sample's nearest member is its parent
+        near, root, ep_u = ep, _roots(ep), ep
+    else:
+        is_member = np.zeros(parent.size, dtype=bool)
+        is_member[uniq] = True
+        ab = _above(ep, is_member)
+        near, root, ep_u = ab.near[uniq], ab.root[uniq], ep[uniq]
     roots, tree = _unique_inverse(root)
     T = roots.size
-    star = _stars(ep[uniq], near, root, tree, np.ones(T, dtype=bool)) if m == 1 else np.zeros(T, dtype=bool)
+    star = _stars(ep_u, near, root, tree, np.ones(T, dtype=bool)) if m == 1 else np.zeros(T, dtype=bool)
     return StepTrees(parent, shared, lens, samples, m, ep, start, uniq, near, root, roots, tree,
                      _whole_tries(parent, shared, lens, m, uniq, near, roots, tree, star), star, at)
 
@@ -328,8 +335,11 @@ def _whole_tries(parent: np.ndarray, shared: np.ndarray, lens: np.ndarray, m: in
     T = roots.size
     if not star.any():
         return set_tries(parent, shared, lens, uniq, tree, T, multiple=m)
-    sm = np.flatnonzero(star[tree])
-    st, tokens_st, dsq_st, _ = _star_parts(tree[sm], uniq[sm], near[sm] >= 0, shared, lens, T)
+    if star.all():
+        st, tokens_st, dsq_st, _ = _star_parts(tree, uniq, near >= 0, shared, lens, T)
+    else:
+        sm = np.flatnonzero(star[tree])
+        st, tokens_st, dsq_st, _ = _star_parts(tree[sm], uniq[sm], near[sm] >= 0, shared, lens, T)
     if st.size == T:   # every tree a star: st is 0 .. T − 1
         return TrieSets(tokens_st, dsq_st)
     tokens = np.zeros(T, dtype=np.int64)

@@ -111,7 +111,8 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, forest: StepFo
     forest = StepForest() if forest is None else forest
     if forest.top is None:
         forest.trees = [step_trees(ctx.parent, ctx.shared, b.seq_lens, g, multiple=mult) for g in groups]
-        forest.top = forest_roots(ctx.parent, ctx.shared)
+        whole = len(groups) == 1 and forest.trees[0].uniq.size == b.num_samples   # the batch's trees, roots and all
+        forest.top = forest.trees[0].root if whole else forest_roots(ctx.parent, ctx.shared)
     trees = forest.trees
     atom_of, tokens, dsq, owner, base = [], [], [], [], 0
     for g, st in zip(groups, trees):
