@@ -99,11 +99,21 @@ def _max_cp(cfg: PlanConfig) -> int:
     return cp.size if cp.size is not None else int(cp.max_size)  # type: ignore[arg-type]
 
 
+def _take(a: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``a[idx]``, or ``a`` itself (not to be written) when ``idx`` is 0 .. a.size − 1 in order (a
+    step of the whole batch): the same values in the same order, without a copy."""
+    n = a.size
+    if idx.size == n and n and int(idx[0]) == 0 and int(idx[-1]) == n - 1 and bool((idx[1:] > idx[:-1]).all()):
+        return a
+    return a[idx]
+
+
 def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, fp: Footprint | None = None, *,
-                     slot: bool = True) -> float:
+                     slot: bool = True, costs: np.ndarray | None = None) -> float:
     """min over K >= K_lb of LB(K); bins per K: one per DP group (static CP) or per GPU (dynamic CP).
     ``slot=False``: without the lockstep slot term (``kchoice.time_lower_bounds``; O(n log n)), a
-    bound never above the full one.
+    bound never above the full one. ``costs``: every sample's ``fp.sample_costs(cfg.cost)`` when
+    the caller holds them (the planner's ``PlanContext.costs``), else computed.
 
     With shared prefixes the work any plan does at least once is the step's prefix trie: its
     segments stand in for the samples, and the costliest micro-batch is at least one sample alone.
@@ -114,8 +124,8 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
     assert cost is not None
     if not idx.size:
         return 0.0
-    lens = batch.seq_lens[idx]
     if cfg.share_prefixes:
+        lens = batch.seq_lens[idx]
         tree = step_tree(batch, idx)
         seg = (tree.end - tree.start).astype(np.float64)
         seg_cost = cost.tree_costs(seg, (tree.end ** 2 - tree.start ** 2).astype(np.float64))  # type: ignore[attr-defined]
@@ -125,8 +135,8 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
                                 gpus=cfg.dp_size * cfg.static_cp_size, max_width=_max_cp(cfg), cost=cost,
                                 single=single)
     fp = footprint_of(batch, cfg) if fp is None else fp
-    lens = fp.sample_tokens[idx]
-    costs, view = fp.sample_costs(cost, idx), cost
+    lens = _take(fp.sample_tokens, idx)
+    costs, view = fp.sample_costs(cost, idx) if costs is None else _take(costs, idx), cost
     if fp.padded:
         costs, view = _padded_sample_costs(cost, fp, idx), _AdditiveView(float(cost.per_micro))
     elif cfg.context_parallel is not None and getattr(cost, "cp", None) is not None:
@@ -137,15 +147,15 @@ def step_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, k_lb: int, 
 
 
 def unshared_step_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint, *,
-                        slot: bool = True) -> tuple[float, int]:
+                        slot: bool = True, costs: np.ndarray | None = None) -> tuple[float, int]:
     """(``time_lower_bound``, ``micro_count_lower_bound``) that the plan of ``cfg`` without
     ``share_prefixes`` reports for a step of samples ``idx`` (``fp``: the config's footprint, which
     sharing does not change): a lower bound of that plan's predicted time and micro-batch count per
     rank for the step when it keeps every sample. ``slot=False``: the time bound without its
-    lockstep slot term (:func:`step_lower_bound`), never above it."""
+    lockstep slot term (:func:`step_lower_bound`), never above it. ``costs``: as there."""
     flat = replace(cfg, share_prefixes=False)
-    k_lb = k_lower_bound(flat, int(idx.size), int(fp.sample_tokens[idx].sum()), fp.vision(idx))
-    return step_lower_bound(batch, flat, idx, k_lb, fp, slot=slot), k_lb
+    k_lb = k_lower_bound(flat, int(idx.size), int(_take(fp.sample_tokens, idx).sum()), fp.vision(idx))
+    return step_lower_bound(batch, flat, idx, k_lb, fp, slot=slot, costs=costs), k_lb
 
 
 def split_lower_bound(batch: Batch, cfg: PlanConfig, idx: np.ndarray, fp: Footprint | None = None, *,

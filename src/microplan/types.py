@@ -275,15 +275,18 @@ def _micro_grid(cols: list[np.ndarray], los: list[int], his: list[int], K: int, 
     return [made[k:k + K] for k in range(0, len(made), K)]
 
 
-def _micro_tree_grid(cols: list[np.ndarray], los: list[int], his: list[int], bins: list[int], tries: Any, K: int,
+def _micro_tree_grid(cols: list[np.ndarray], lo: np.ndarray, hi: np.ndarray, bins: np.ndarray, tries: Any,
                      cp_size: int, footprint: Footprint | None) -> list[list[Micro]]:
-    """Every rank's Micros of tree rows: rank r's m-th holds ``cols[c][los[r·K + m]:his[r·K + m]]``
-    and the trie ``tries[bins[r·K + m]]`` (read on first access of ``tree``: :class:`_Tree`),
-    built as flat rows are (:func:`_micro_grid`, or :func:`_micro_row` per rank when a span is
-    empty: a rank's placeholders share one Micro, without a trie). ``K`` >= 1."""
-    if all(map(int.__lt__, los, his)):
-        return _micro_grid(cols, los, his, K, cp_size, footprint, tries, bins)
-    return [_micro_row(cols, los[k:k + K], his[k:k + K], (k // K,), cp_size, footprint, tries, bins[k:k + K])
+    """Every rank's Micros of tree rows (``lo``, ``hi``, ``bins``: ranks × slots int arrays): rank
+    r's m-th holds ``cols[c][lo[r, m]:hi[r, m]]`` and the trie ``tries[bins[r, m]]`` (read on first
+    access of ``tree``: :class:`_Tree`), built as flat rows are (:func:`_micro_grid`, or
+    :func:`_micro_row` per rank when a span is empty: a rank's placeholders share one Micro,
+    without a trie). At least one slot per rank."""
+    K = bins.shape[1]
+    los, his, bl = lo.ravel().tolist(), hi.ravel().tolist(), bins.ravel().tolist()
+    if bins.size and bool((hi > lo).all()):
+        return _micro_grid(cols, los, his, K, cp_size, footprint, tries, bl)
+    return [_micro_row(cols, los[k:k + K], his[k:k + K], (k // K,), cp_size, footprint, tries, bl[k:k + K])
             for k in range(0, len(los), K)]
 
 

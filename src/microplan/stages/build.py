@@ -59,8 +59,7 @@ def build_step(s: int, lay: PlacedStep, ctx: PlanContext) -> Step:
                     choice=lay.choice)
     cols, bounds, tries = tree_columns(ctx.parent, ctx.shared, b, kept, sbin, D * K, scale, rules=ctx.fp.row_rules())
     grid = lay.grid  # a rank's placeholders share one Micro; the others slice columns and tries on first read
-    micros = _micro_tree_grid(cols, bounds[:-1][grid].ravel().tolist(), bounds[1:][grid].ravel().tolist(),
-                              grid.ravel().tolist(), tries, K, cp, mfp)
+    micros = _micro_tree_grid(cols, bounds[:-1][grid], bounds[1:][grid], grid, tries, cp, mfp)
     return Step(s, micros, kept, choice=lay.choice)
 
 

@@ -133,9 +133,9 @@ def _skip_per_sample(cands: list[PlacedStep], samples: np.ndarray, ctx: PlanCont
     best = _kept_best(cands, ctx)
     if best is None or ctx.cfg.memory is not None:
         return False
-    quick, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, slot=False)  # <= the bound
+    quick, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, slot=False, costs=ctx.costs)  # <= the bound
     if not best < quick * (1 - _MARGIN):  # the full bound (slot term, O(n log n)) only where it decides
-        unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp)
+        unshared, k_lb = unshared_step_bound(ctx.batch, ctx.cfg, samples, ctx.fp, costs=ctx.costs)
         if not best < unshared * (1 - _MARGIN):
             return False
     return floor.reached(cands, k_lb)
