@@ -323,13 +323,20 @@ def dfs_orders(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_
 def _lex_order(a: np.ndarray, b: np.ndarray, c: np.ndarray, n: int, *, packed: bool) -> np.ndarray:
     """``c[np.lexsort((c, b, a))]`` for int64 keys with b, c in [0, n) and the triples distinct:
     ``c`` in the order of (a, b, c). ``packed`` (when max(a)·n² fits int64): the key
-    (a·n + b)·n + c, c itself where that key is ascending already (GRPO micro-batches: a sample's
-    root precedes it), else one plain sort of it, whose low part is c (distinct keys need no
-    stable sort nor permutation)."""
+    (a·n + b)·n + c — ``c`` itself where that key is ascending already (GRPO micro-batches: a
+    sample's root precedes it), else one plain sort of the key, whose low part is c (distinct keys
+    need no stable sort nor permutation)."""
     if not packed:
         return c[np.lexsort((c, b, a))]
-    key = (a * n + b) * n + c
-    return c.copy() if bool((key[1:] > key[:-1]).all()) else np.sort(key) % n
+    key = a * n
+    key += b
+    key *= n
+    key += c
+    if bool((key[1:] > key[:-1]).all()):
+        return c
+    key.sort()
+    key %= n
+    return key
 
 
 def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of: np.ndarray,
@@ -342,27 +349,30 @@ def dfs_flat(parent: np.ndarray, shared: np.ndarray, members: np.ndarray, set_of
     search. O(M log M)."""
     members, set_of = np.asarray(members, dtype=np.int64), np.asarray(set_of, dtype=np.int64)
     n = parent.size
-    key = np.sort(set_of * n + members)
+    key = set_of * n
+    key += members
+    key.sort()
     step = key[1:] != key[:-1]
     key = key if step.all() else key[np.concatenate([[True], step])]
     sets, x = np.divmod(key, n) if n else (key, key)
     ep = np.where((parent >= 0) & (shared > 0), parent, -1)
     p1 = ep[x]
     has = p1 >= 0
+    q = np.maximum(p1, 0)
     at = np.full(n, -1, dtype=np.int64)               # each sample's place in key, if it is in one set only
     at[x] = np.arange(x.size)
-    if (at[x] == np.arange(x.size)).all():
-        pos = at[np.maximum(p1, 0)]
-        held = has & (pos >= 0) & (sets[pos] == sets)                # p1 is in the same set
+    if int(np.count_nonzero(at >= 0)) == x.size:      # every sample in one set
+        pos = at[q]
+        held = has & (pos >= 0)
+        held &= sets[pos] == sets                                    # p1 is in the same set
     else:
-        pos = np.searchsorted(key, sets * n + np.maximum(p1, 0))
+        pos = np.searchsorted(key, sets * n + q)
         held = np.zeros(x.size, dtype=bool)
         held[has] = key[np.minimum(pos, key.size - 1)][has] == (sets * n + p1)[has]
-    p2 = np.where(has, ep[np.maximum(p1, 0)], -1)
-    root = ~has | (~held & (p2 < 0))                                 # nothing above it in the set
+        pos[~held] = 0
+    root = ~has | (~held & (ep[q] < 0))                              # nothing above it in the set
     slow = ~held & ~root                                             # an outside sample in between
-    parent_in = np.where(held, pos, 0)
-    slow |= held & ~root[parent_in]                                  # two levels deep
+    slow |= held & ~root[pos]                                        # two levels deep
     bad = np.zeros(num_sets, dtype=bool)
     bad[sets[slow]] = True
     x_o = _lex_order(sets, np.where(root, x, p1), x, n, packed=num_sets * n * n < 2 ** 62)

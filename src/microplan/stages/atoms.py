@@ -73,6 +73,9 @@ class Atoms(NamedTuple):
             return np.zeros(0, dtype=np.int64)
         if self.single:
             return self.members[atoms]
+        A = self.tokens.size
+        if atoms.size == A and int(atoms[0]) == 0 and int(atoms[-1]) == A - 1 and bool((atoms[1:] > atoms[:-1]).all()):
+            return self.members.copy()    # every atom in order: the members as they are
         lo, hi = self.ptr[atoms], self.ptr[atoms + 1]
         idx = np.repeat(lo - np.cumsum(np.concatenate([[0], (hi - lo)[:-1]])), hi - lo) + np.arange(int((hi - lo).sum()))
         return self.members[idx]
@@ -151,9 +154,16 @@ def bin_tries(atoms: Atoms, kept: np.ndarray, bin_of: np.ndarray, num_bins: int,
     tokens = np.bincount(bin_of, weights=atoms.tokens[kept], minlength=num_bins).astype(np.int64)
     dsq = np.bincount(bin_of, weights=atoms.depth_sq[kept], minlength=num_bins).astype(np.float64)
     root = atoms.component[kept]
-    o = np.lexsort((root, bin_of))
-    bo, ro = bin_of[o], root[o]
-    shared = np.unique(bo[1:][(bo[1:] == bo[:-1]) & (ro[1:] == ro[:-1])])
+    span = int(root.max()) + 1 if root.size else 1
+    if num_bins * span < 2 ** 62:   # (bin, root) pairs as one int64 key, sorted
+        key = bin_of.astype(np.int64) * span
+        key += root
+        key.sort()
+        shared = np.unique(key[1:][key[1:] == key[:-1]] // span)
+    else:
+        o = np.lexsort((root, bin_of))
+        bo, ro = bin_of[o], root[o]
+        shared = np.unique(bo[1:][(bo[1:] == bo[:-1]) & (ro[1:] == ro[:-1])])
     if shared.size:  # bins where two atoms of one tree may share their root path again
         again = np.zeros(num_bins, dtype=bool)
         again[shared] = True

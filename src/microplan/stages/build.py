@@ -123,7 +123,7 @@ def tree_columns(parent: np.ndarray, shared: np.ndarray, b: Batch, kept: np.ndar
     flat, bounds = dfs_flat(parent, shared, kept, sbin, nb)   # every bin's samples, depth-first, bin after bin
     trees = StepTries(parent, shared, b.seq_lens, kept, sbin, nb, rules)
     pos = flat if kept.size == b.num_samples else np.searchsorted(kept, flat)  # every sample kept: kept is arange(n)
-    cols = [flat, b.seq_lens[flat], b.loss_tokens[flat], scale[pos].astype(np.float64)]
+    cols = [flat, b.seq_lens[flat], b.loss_tokens[flat], scale[pos].astype(np.float64, copy=False)]
     for c in cols:  # each column gathered once, then sliced
         c.setflags(write=False)  # and so every slice of it
     return cols, bounds, trees
