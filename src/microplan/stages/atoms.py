@@ -120,23 +120,24 @@ def tree_atoms(samples: np.ndarray, ctx: PlanContext, limit: int, forest: StepFo
     atom_of, tokens, dsq, owner, base = [], [], [], [], 0
     for g, st in zip(groups, trees):
         cut = _vision_safe(st.cut(limit), g, ctx)
-        atom_of.append(cut.atom_of + base)
+        atom_of.append(cut.atom_of + base if base else cut.atom_of)   # a fresh array of this cut's
         tokens.append(cut.tokens)
         dsq.append(cut.depth_sq)
         if ctx.owner is not None:
             owner.append(np.full(cut.tokens.size, int(ctx.owner[g[0]]), dtype=np.int64))
         base += cut.tokens.size
-    a_of = np.concatenate(atom_of)
-    order = np.argsort(a_of, kind="stable")
-    members = np.concatenate(groups)[order]
+    one = len(groups) == 1
+    a_of = atom_of[0] if one else np.concatenate(atom_of)
+    every = groups[0] if one else np.concatenate(groups)
+    members = every.copy() if bool((a_of[1:] >= a_of[:-1]).all()) else every[np.argsort(a_of, kind="stable")]
     tok = np.concatenate(tokens).astype(np.int64)
     ptr = np.concatenate([[0], np.cumsum(np.bincount(a_of, minlength=base))]).astype(np.int64)
     depth_sq = np.concatenate(dsq)
     costs = cost.tree_costs(tok.astype(np.float64), depth_sq)  # type: ignore[attr-defined]
     if fp.vision_costs is not None:
-        costs = costs + np.bincount(a_of, weights=fp.vision_costs[np.concatenate(groups)], minlength=base)
+        costs = costs + np.bincount(a_of, weights=fp.vision_costs[every], minlength=base)
     vis = None if ctx.vision_cap is None else \
-        np.bincount(a_of, weights=fp.vision_tokens[np.concatenate(groups)], minlength=base).astype(np.int64)  # type: ignore[index]
+        np.bincount(a_of, weights=fp.vision_tokens[every], minlength=base).astype(np.int64)  # type: ignore[index]
     label = members[ptr[:-1]]
     return Atoms(tok, costs, _components(members, ptr, b.rollout_codes), label, members, ptr,
                  np.concatenate(owner) if owner else None, vis, True, depth_sq=depth_sq,
@@ -200,20 +201,23 @@ def _vision_safe(cut: TreeCut, g: np.ndarray, ctx: PlanContext) -> TreeCut:
 def _components(members: np.ndarray, ptr: np.ndarray, rollout_codes: np.ndarray) -> np.ndarray:
     """Per atom, the smallest rollout code of its component (atoms joined by shared rollouts).
 
-    When no rollout spans two atoms (the common case: a rollout is rarely cut over tree parts)
-    each atom is its own component: the least code of its members, one pass over the atoms'
-    member runs. Otherwise label propagation over the bipartite atom–rollout graph: an atom takes
-    the least label of its rollouts, a rollout the least label of its atoms, until nothing changes
-    (this settles in one or two rounds). O(members) numpy per round."""
+    When no rollout spans two atoms (the common case: a rollout is rarely cut over tree parts;
+    never when each rollout is one sample, ``Batch.rollout_codes`` being dense codes) each atom
+    is its own component: the least code of its members, one pass over the atoms' member runs.
+    Otherwise label propagation over the bipartite atom–rollout graph: an atom takes the least
+    label of its rollouts, a rollout the least label of its atoms, until nothing changes (this
+    settles in one or two rounds). O(members) numpy per round."""
     codes = rollout_codes[members]
     A = ptr.size - 1
-    sizes = np.diff(ptr)
-    atom = np.repeat(np.arange(A), sizes)
-    if A and (sizes > 0).all() and 0 <= int(codes.min()) and int(codes.max()) < rollout_codes.size:  # dense codes
+    runs = A > 0 and bool((ptr[1:] > ptr[:-1]).all())   # no empty atom: reduceat's runs are the atoms
+    if runs and int(rollout_codes.max()) + 1 == rollout_codes.size:   # dense codes, one sample each
+        return np.minimum.reduceat(codes, ptr[:-1])
+    atom = np.repeat(np.arange(A), np.diff(ptr))
+    if runs and 0 <= int(codes.min()) and int(codes.max()) < rollout_codes.size:
         where = np.empty(int(codes.max()) + 1, dtype=np.int64)
         where[codes] = atom                  # one atom per code, if every member of the code agrees
         if (where[codes] == atom).all():
-            return np.minimum.reduceat(codes, ptr[:-1]).astype(np.int64, copy=False)
+            return np.minimum.reduceat(codes, ptr[:-1])
     uniq, inv = np.unique(codes, return_inverse=True)
     label = uniq.astype(np.int64).copy()          # per rollout code
     big = np.iinfo(np.int64).max
