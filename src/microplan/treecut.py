@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .trie_sets import TrieSets, _ascending, _distinct, _i64, _int_bincount, _links, _unique_inverse, set_tries
+from .trie_sets import TrieSets, _ascending, _distinct, _i64, _links, _unique_inverse, set_tries
 
 __all__ = ["TreeCut", "StepTrees", "cut_trees", "step_trees", "forest_roots"]
 
@@ -466,7 +466,7 @@ def _cut_stars(star: np.ndarray, roots: np.ndarray, tree: np.ndarray, uniq: np.n
     into the root's sequence (L_root if the root is in the part, else the largest s of its
     children): the child joins if the rest fits, else it starts a fresh part (L_c tokens).
     Round r takes the r-th child of every tree that has one; when every tree has as many
-    children (GRPO groups) a round is a column of the trees × children grid, no gather."""
+    children (GRPO groups) the rounds are the rows of the children × trees grid."""
     count[star] = 1                                   # the root's part
     kids = np.flatnonzero(star[tree] & (near >= 0))
     if not kids.size:
@@ -480,26 +480,54 @@ def _cut_stars(star: np.ndarray, roots: np.ndarray, tree: np.ndarray, uniq: np.n
     trees = kt[heads]                                  # the stars with children, ascending; compact ids 0 .. nt − 1
     nt, c0 = trees.size, int(sizes[0])
     if (sizes == c0).all():
-        order, bounds, which = kids.reshape(nt, c0).T.ravel(), range(0, kids.size + 1, nt), None
+        order = kids.reshape(nt, c0).T.ravel()        # round by round
+        x = uniq[order]
+        part, local[order] = _grid_rounds(lens[roots[trees]], shared[x].reshape(c0, nt), lens[x].reshape(c0, nt),
+                                          limit)
     else:
         rank = np.arange(kids.size) - np.repeat(heads, sizes)
         by_rank = np.argsort(rank, kind="stable")
         order = kids[by_rank]
-        which = np.repeat(np.arange(nt), sizes)[by_rank]
+        x = uniq[order]
         bounds = [0] + (np.flatnonzero(np.diff(rank[by_rank])) + 1).tolist() + [kids.size]
-    x = uniq[order]
-    S, Ls = shared[x], lens[x]
-    T = lens[roots[trees]]
-    H = T.copy()
-    part = np.zeros(nt, dtype=np.int64)
+        part, local[order] = _ragged_rounds(lens[roots[trees]], shared[x], lens[x],
+                                            np.repeat(np.arange(nt), sizes)[by_rank], bounds, limit)
+    count[trees] = part + 1
+
+
+def _grid_rounds(T: np.ndarray, S: np.ndarray, L: np.ndarray, limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_cut_stars`' rounds when every tree has as many children: row r of ``S``/``L`` (shared
+    and own lengths) holds each tree's r-th child, ``T`` the roots' lengths. (parts per tree − 1,
+    each child's part, row by row)."""
+    H = T
+    part = np.zeros(T.size, dtype=np.int64)
+    parts = np.empty(S.shape, dtype=np.int64)
+    for r in range(S.shape[0]):
+        s, ln = S[r], L[r]
+        grown = T + ln - np.minimum(s, H)
+        fresh = grown > limit
+        part += fresh
+        T = np.where(fresh, ln, grown)
+        H = np.where(fresh, s, np.maximum(H, s))
+        parts[r] = part
+    return part, parts.ravel()
+
+
+def _ragged_rounds(T: np.ndarray, S: np.ndarray, L: np.ndarray, which: np.ndarray, bounds: list[int],
+                   limit: int) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_cut_stars`' rounds in general: children ``bounds[r]:bounds[r + 1]`` are round r's, of
+    trees ``which`` (compact ids), ``T`` the roots' lengths. (parts per tree − 1, each child's part)."""
+    T, H = T.copy(), T.copy()
+    part = np.zeros(T.size, dtype=np.int64)
+    out = np.empty(S.size, dtype=np.int64)
     for lo, hi in zip(bounds[:-1], bounds[1:]):
-        t = slice(None) if which is None else which[lo:hi]
-        s, L = S[lo:hi], Ls[lo:hi]
+        t = which[lo:hi]
+        s, ln = S[lo:hi], L[lo:hi]
         Ht = H[t]
-        grown = T[t] + L - np.minimum(s, Ht)
+        grown = T[t] + ln - np.minimum(s, Ht)
         fresh = grown > limit
         part[t] += fresh
-        T[t] = np.where(fresh, L, grown)
+        T[t] = np.where(fresh, ln, grown)
         H[t] = np.where(fresh, s, np.maximum(Ht, s))
-        local[order[lo:hi]] = part[t]
-    count[trees] = part + 1
+        out[lo:hi] = part[t]
+    return part, out
