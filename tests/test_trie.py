@@ -282,6 +282,53 @@ def test_cut_trees_equal_the_exact_greedy(data, limit, frac, multiple):
         assert (cut.tokens[a], cut.depth_sq[a]) == (padded(t, multiple), t.depth_sq)
 
 
+def star_forest(rng: np.random.Generator, groups: int, size: int, ragged: bool,
+                interleave: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(parent, shared, lens) of GRPO-shaped groups: a prompt and its responses (stars), ``size``
+    responses each (``ragged``: 0 .. size), groups one after another or interleaved."""
+    sizes = rng.integers(0, size + 1, groups) if ragged else np.full(groups, size)
+    labels = np.repeat(np.arange(groups), sizes + 1)
+    if interleave:
+        rng.shuffle(labels)
+    n = labels.size
+    lens = rng.integers(1, 60, n).astype(np.int64)
+    parent, shared, first = np.full(n, -1, dtype=np.int64), np.zeros(n, dtype=np.int64), {}
+    for i, g in enumerate(labels.tolist()):
+        if g in first:    # a response: it shares part of its prompt (all of it, mostly)
+            p = first[g]
+            top = int(min(lens[i], lens[p]))
+            parent[i], shared[i] = p, top if rng.random() < 0.7 else int(rng.integers(1, top + 1))
+        else:
+            first[g] = i
+    return parent, shared, lens
+
+
+@given(seed=st.integers(0, 2 ** 31), groups=st.integers(1, 12), size=st.integers(1, 9), ragged=st.booleans(),
+       interleave=st.booleans(), every=st.booleans(), limit=st.integers(1, 300), multiple=st.sampled_from([1, 1, 4]))
+def test_star_cuts_equal_the_exact_greedy(seed, groups, size, ragged, interleave, every, limit, multiple):
+    """GRPO-shaped steps as the planner meets them: every sample of the batch in order (the whole-
+    batch path of ``step_trees``) or a shuffled subset, groups of one size (the star cut's rounds as
+    rows of a grid) or ragged, one after another (star parts summed run by run) or interleaved
+    (scattered): the parts, their order and exact tries of the reference greedy, at several limits
+    of one ``step_trees``."""
+    from microplan.trie import step_trees
+    rng = np.random.default_rng(seed)
+    parent, shared, lens = star_forest(rng, groups, size, ragged, interleave)
+    n = parent.size
+    samples = np.arange(n) if every else rng.permutation(n)[: int(rng.integers(1, n + 1))]
+    st_ = step_trees(parent, shared, lens, samples, multiple=multiple)
+    for lim in (limit, 2 * limit, 10 ** 6):
+        cut = st_.cut(lim)
+        ref = ref_cut(np.sort(samples), parent, shared, lens, lim, multiple)
+        got = _parts(cut, samples)
+        assert [sorted(a) for a in got] == [sorted(a) for a in ref]
+        assert cut.first.tolist() == [a[0] for a in ref]
+        assert cut.tokens.dtype == np.int64 and cut.depth_sq.dtype == np.float64 and cut.atom_of.dtype == np.int64
+        for a, members in enumerate(got):
+            t = owner_tree(parent, shared, lens, members)
+            assert (cut.tokens[a], cut.depth_sq[a]) == (padded(t, multiple), t.depth_sq)
+
+
 @given(data=forests(), limit=st.integers(1, 150), multiple=st.sampled_from([2, 8]))
 def test_cut_trees_padded_parts_fit(data, limit, multiple):
     """With a padding multiple: a partition, each part's padded trie as set_tries counts it, within

@@ -5,13 +5,17 @@ depth-first greedy (a subtree that fits the current part joins it, one that fits
 starts one, a larger one is split at its own branches). Steps:
 
 1. Trees by pointer doubling over the forest (nearest member ancestor, the tree's root):
-   O(N log depth) numpy; a tree whose trie fits stays whole (one ``trie_sets.set_tries`` call for
-   all trees, padded segments counted). This part does not read the limit: :func:`step_trees`
-   does it once per step and :meth:`StepTrees.cut` cuts at any number of limits.
+   O(N log depth) numpy (a step of the whole batch: a sample's nearest member is its parent, so
+   only the roots are climbed); a tree whose trie fits stays whole (stars in closed form, the
+   others by one ``trie_sets.set_tries`` call for all trees, padded segments counted). This part
+   does not read the limit: :func:`step_trees` does it once per step, with which trees are stars
+   and where each given sample sits, and :meth:`StepTrees.cut` cuts at any number of limits.
 2. Stars (a root and leaves hanging directly from it: GRPO groups; multiple 1) are cut in numpy
    lockstep over their children: a child covers min(s_c, H) of its tokens, H being how far the
-   part reaches into the root's sequence; it joins if the rest fits, else starts a fresh part.
-   A part's trie is closed-form: H + Σ (L_c − s_c) tokens, H² + Σ (L_c² − s_c²) depth_sq.
+   part reaches into the root's sequence; it joins if the rest fits, else starts a fresh part
+   (equal groups: one whole-array step per child rank). A part's trie is closed-form:
+   H + Σ (L_c − s_c) tokens, H² + Σ (L_c² − s_c²) depth_sq, summed run by run over members
+   grouped by part (the planner's sorted samples), else scattered.
 3. Other trees run the greedy in Python. A subtree "fits" exactly: it is added to the part
    sample by sample and, as soon as the part passes the limit, the logged changes are undone
    (a trial costs what it adds, so a chain whose parts hold k samples costs O(n·k) at worst,
