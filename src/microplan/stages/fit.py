@@ -97,12 +97,13 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
     k_hi = (n // D) // a * a  # the largest aligned K that needs no placeholder
     cp, cost = cfg.static_cp_size, cfg.cost
     slots: dict[int, Slots] = {}  # K -> the last packing's costs and grid (_pack_at, _time)
+    order = stable_argsort_via(costs, lens, descending=True) if is_additive(cost) else None  # LPT's, every K
     K, bin_of, choice = choose_k(
         K0, k_hi, a, additive=is_additive(cost), sync=cfg.sync, probe="slack",
         lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
                                                   cost=cost, cap=cfg.max_tokens_per_micro, lockstep=cfg.sync == "micro"),
         quick_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp, cost=cost),
-        pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra, slots),  # m == n: one sample per bin
+        pack=lambda K: _pack_at(lens, costs, min(n, D * K), D, K, cfg, extra, slots, order),  # m == n: one sample per bin
         time=lambda K, b: _time(b, min(n, D * K), K, lens, costs, cfg, slots))
     # the bubble: more, smaller micro-batches may be faster — searched only when the cost prices a
     # micro-batch's fixed overhead (per_micro > 0); without it every sample alone would look free
@@ -111,7 +112,7 @@ def _pack(lens: np.ndarray, costs: np.ndarray, cfg: PlanConfig, layout: StepLayo
             K, k_hi, a, K0=K0, sync=cfg.sync,
             lower_bounds=lambda Ks: time_lower_bounds(costs, lens, Ks, bins_per_k=D, gpus=D * cp, max_width=cp,
                                                       cost=cost) / cfg.pipeline_stages,  # a stage's share of the work
-            pack=lambda k: bin_of if k == K else _pack_at(lens, costs, min(n, D * k), D, k, cfg, extra, slots),
+            pack=lambda k: bin_of if k == K else _pack_at(lens, costs, min(n, D * k), D, k, cfg, extra, slots, order),
             time=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg, search=False),
             exact=lambda k, b: _pipeline_time(b, min(n, D * k), k, lens, costs, cfg))
     known = slots.get(K)
@@ -209,14 +210,15 @@ def fill_targets(lead: np.ndarray, total: float, D: int, K: int) -> np.ndarray:
 
 
 def _pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cfg: PlanConfig,
-             extra: Extra | None = None, slots: dict[int, Slots] | None = None) -> np.ndarray | None:
-    """:func:`pack_at` under the config's cap, then — under ``sync="micro"`` — refined for the
+             extra: Extra | None = None, slots: dict[int, Slots] | None = None,
+             order: np.ndarray | None = None) -> np.ndarray | None:
+    """:func:`pack_at` under the config's cap (``order``: as there), then — under ``sync="micro"`` — refined for the
     lockstep objective on its slot arrangement (``lockstep.py``); None if no packing was found.
     When the lockstep pass moves nothing, the costs and grid it started from are the packing's
     (kept in ``slots[K]``)."""
     cost, cap = cfg.cost, effective_cap(cfg)
     assert cost is not None and cap is not None
-    bin_of = pack_at(lens, costs, m, D, K, cap, cost, extra=extra)
+    bin_of = pack_at(lens, costs, m, D, K, cap, cost, extra=extra, order=order)
     if bin_of is None or cfg.sync != "micro":
         return bin_of
     additive, tokens, count = _bin_sums(bin_of, lens, costs, D * K)
@@ -234,7 +236,8 @@ def adjusted_slope(cost: CostModel, lens: np.ndarray, m: int) -> float:
 
 
 def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int, cost: CostModel, *,
-            targets: np.ndarray | None = None, extra: Extra | None = None) -> np.ndarray | None:
+            targets: np.ndarray | None = None, extra: Extra | None = None,
+            order: np.ndarray | None = None) -> np.ndarray | None:
     """A packing into m bins under the cap at K per rank, balanced by cost; None if none was found.
 
     With a packed-row term the samples are balanced on their first-order cost at the mean row
@@ -243,11 +246,13 @@ def pack_at(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: in
     step's own :func:`slot_targets` — local placement passes targets shared by every rank), then
     the same LPT on costs tilted toward long samples (:func:`_tilted`), then first-fit decreasing
     and, for small steps, an exhaustive search, each refined. ``extra``: a second capped resource
-    (vision tokens) every packer keeps. No lockstep refinement here.
+    (vision tokens) every packer keeps. ``order``: ``stable_argsort_via(costs, lens, descending=True)``
+    when the caller has it (a K search packs the same samples at several K); used only when the
+    balance is the costs themselves. No lockstep refinement here.
     """
     slope = adjusted_slope(cost, lens, m)
     bal = costs + slope * lens if slope else costs  # an additive cost balances the costs themselves
-    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets)
+    bin_of = _pack_slots(lens, bal, m, D, K, cap, extra, targets, order=None if slope else order)
     n = lens.size
     if bin_of is None:
         bin_of = _tilted(lens, bal, m, D, K, cap, extra, targets)
@@ -289,10 +294,13 @@ def _tilted(lens: np.ndarray, bal: np.ndarray, m: int, D: int, K: int, cap: int,
 
 
 def _pack_slots(lens: np.ndarray, costs: np.ndarray, m: int, D: int, K: int, cap: int,
-                extra: Extra | None = None, targets: np.ndarray | None = None) -> np.ndarray | None:
-    """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback."""
+                extra: Extra | None = None, targets: np.ndarray | None = None, *,
+                order: np.ndarray | None = None) -> np.ndarray | None:
+    """Pack into m bins toward per-slot targets (see slot_targets); uniform LPT as the fallback.
+    ``order``: the costs' LPT order when known."""
     bin_of = None
-    order = stable_argsort_via(costs, lens, descending=True)  # LPT's placement order (both passes), the targets' sort
+    if order is None:
+        order = stable_argsort_via(costs, lens, descending=True)  # LPT's placement order (both passes), the targets' sort
     if m == D * K and K > 1:
         offset = np.repeat(slot_targets(costs, D, K, order) if targets is None else targets, D)
         load = -offset  # LPT on (load − target): the bin with the most headroom first
