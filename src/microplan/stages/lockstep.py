@@ -10,25 +10,38 @@ free. Costs are exact for non-additive models (the packed-row term is re-evaluat
 totals). Moves keep every micro-batch within the token cap (and a second capped resource,
 ``extra``: vision tokens) and non-empty.
 
-Guarantees: Σ_m max cost never increases; the cap holds; no micro-batch empties; deterministic.
-Cost: O(iterations · (bins + n)) numpy per iteration (the heaviest micro-batch's samples against
-every bin and every sample), at most ``max_iters`` iterations (default min(2·K + 16, 64)).
+The receivers of a change are the 24 real micro-batches with the most headroom under their slot's
+maximum and the 24 lightest of the slot itself. Between two changes the bins' costs, the slots'
+order and every headroom stay fixed, so the pass ranks them once per change (``_Pass.refresh``)
+and each probe of a slot reuses that ranking; a probe falls back to ranking its own receivers
+(``_receivers_exact``) whenever the shared ranking could differ from its own: a tie at the 24th
+receiver, a non-finite cost, or a slot whose real micro-batches do not all cost more than its
+placeholders. Each bin's samples are kept in a table updated by every change, in ascending
+sample order (the order every tie between equally good changes is broken by), so a probe reads
+its receivers' samples without a scan over the batch.
+
+Guarantees: Σ_m max cost never increases; the cap holds; no micro-batch empties; deterministic; the
+shared rankings change no decision (a probe picks what ranking its own receivers would pick).
+Cost: O(bins) numpy per change (the slots' order, the headroom ranking), and per probe O(receivers'
+samples × samples of the heaviest micro-batch) numpy (O(n) per probe only when a bin holds more
+than ``_TABLE_WIDTH`` samples), at most ``max_iters`` probes (default min(2·K + 16, 64)).
 Trade-off: the slot-blind bin refine leaves a spread of a few percent in the slots after the
-first, which this pass removes for a few ms per step (benchmarks/bench_meter.py measures it). It
-stops within ``STOP_GAP`` (0.1 %) of its floor: the last fractions of a percent are the dearest.
+first, which this pass removes (benchmarks/bench_meter.py measures it). It stops within
+``STOP_GAP`` (0.1 %) of its floor: the last fractions of a percent are the dearest.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ..cost.models import CostModel, bin_costs
+from ..cost.models import CostModel, FlopsCost, TokenCost, bin_costs, is_additive
 
 __all__ = ["refine_lockstep", "apply_change"]
 
 _RECEIVERS = 24   # receiver bins examined per change: most headroom overall, and lightest of the slot
 STOP_GAP = 1e-3  # stop once Σ slot maxima is this close to its floor (the mean load per rank)
 _PATIENCE = 12    # changes without a strict gain (plateau moves) before giving up
+_TABLE_WIDTH = 64  # bins' samples kept in a [bins, width] table while no bin holds more; else found by scan
 
 
 def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray,
@@ -48,59 +61,65 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
                                                np.bincount(bin_of, minlength=nb))
     X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
     real = cnt > 0  # constant through the pass: a move leaves its source a sample, a swap keeps counts
-    real_idx = np.flatnonzero(real)
-    c_of = lambda a, t, c: bin_costs(cost, a, t, c)  # noqa: E731
-    C = np.where(real, c_of(A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
+    C = np.where(real, bin_costs(cost, A, T, cnt), 0.0)  # placeholders (0) never set a slot's max: real bins cost > 0
     iters = max_iters if max_iters is not None else min(2 * K + 16, 64)
     mean = float(C[real].sum() + (nb - int(real.sum())) * cost.per_micro) / D  # nothing beats the mean
-    lens_f = floor = None  # and the costliest lone sample: O(n), computed once the mean alone does not stop
-    stuck: set[int] = set()
+    floor = None  # and the costliest lone sample: O(n), computed once the mean alone does not stop
+    ps: _Pass | None = None
     best_obj, since = np.inf, 0
-    by_slot = None  # the slots' view of C, refreshed only after a change (a slot found stuck changes nothing)
-    for _ in range(iters):
-        if by_slot is None:
-            by_slot = C.reshape(-1)[grid.T]          # [K, D] costs per slot
-            order = np.argsort(-by_slot, axis=1)
-            top = by_slot[np.arange(K), order[:, 0]]
-            second = by_slot[np.arange(K), order[:, 1]] if D > 1 else np.zeros(K)
-            ranked = np.lexsort((np.arange(K), -top, -(top - second))).tolist()
-        cand = [m for m in ranked if m not in stuck]
-        if not cand:
+    state = None  # the slots' view of C, refreshed only after a change (a slot found stuck changes nothing)
+    for it in range(iters):
+        if state is None:
+            state, stuck = _slots(C, grid), 0  # stuck: the first `stuck` slots of `ranked` moved nothing
+        by_slot, order, top, ranked, obj = state
+        if stuck >= K:
             break
-        obj = float(top.sum())
         if obj <= mean * (1 + STOP_GAP):  # within 0.1 % of the mean: below any machine's timing noise
             break
-        if floor is None:
+        if ps is None:
             lens_f = lens.astype(np.float64)
             floor = max(mean, float(bin_costs(cost, costs, lens_f, 1).max()))
             bin_of = bin_of.copy()
-            slot_of = np.empty(nb, dtype=np.int64)
-            slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)  # grid is [D, K] row-major
-        if obj <= floor * (1 + STOP_GAP):
+            ps = _Pass(bin_of, grid, lens_f, costs, cost, cap, A, T, C, cnt, real,
+                       None if extra is None else (extra[0], X, extra[1]))  # type: ignore[arg-type]
+        if obj <= floor * (1 + STOP_GAP):  # type: ignore[operator]
             break
         if obj < best_obj * (1 - rel_tol):
             best_obj, since = obj, 0
         elif since >= _PATIENCE:
             break
         since += 1
-        m = cand[0]
+        m = ranked[stuck]
         a = int(grid[order[m, 0], m])
         if cnt[a] == 0:  # a slot of placeholders only
-            stuck.add(m)
+            stuck += 1
             continue
-        got = _best_change(a, m, bin_of, A, T, C, cnt, slot_of, by_slot, order, top, lens_f, costs, cost, cap, grid,
-                           tol=rel_tol * float(top[m]), extra=None if extra is None else (extra[0], X, extra[1]),
-                           real=(real, real_idx))
+        ps.refresh(by_slot, order, top)
+        if m in ps.known:  # found by a batch of this state's probes
+            got = ps.known[m]
+        else:  # the probes this state can still make: slots left, iterations left, patience left
+            window = ranked[stuck:stuck + min(iters - it, _PATIENCE - since + 1)]
+            got = _probe(ps, window, rel_tol)
         if got is None:
-            stuck.add(m)
+            stuck += 1
             continue
-        stuck.clear()
         i, b, j = got
-        apply_change(i, a, b, j, bin_of, A, costs, T, lens_f, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
-        for x in (a, b):
-            C[x] = c_of(A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
-        by_slot = None
+        apply_change(i, a, b, j, bin_of, A, costs, T, ps.lens, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
+        ps.changed(i, a, b, j)
+        state = None
     return bin_of
+
+
+def _slots(C: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], float]:
+    """The slots' costs ``by_slot[m, r]``, each slot's order (heaviest first), its maximum, the slots by
+    lead of their maximum over their second (largest first), and Σ of the maxima."""
+    D, K = grid.shape
+    by_slot = C.reshape(-1)[grid.T]          # [K, D] costs per slot
+    order = np.argsort(-by_slot, axis=1)
+    top = by_slot[np.arange(K), order[:, 0]]
+    second = by_slot[np.arange(K), order[:, 1]] if D > 1 else np.zeros(K)
+    ranked = np.lexsort((np.arange(K), -top, -(top - second))).tolist()
+    return by_slot, order, top, ranked, float(top.sum())
 
 
 def apply_change(i: int, a: int, b: int, j: int, bin_of: np.ndarray, A: np.ndarray, costs: np.ndarray,
@@ -122,12 +141,237 @@ def apply_change(i: int, a: int, b: int, j: int, bin_of: np.ndarray, A: np.ndarr
             extra[0][dst] += extra[1][smp]
 
 
-def _rest_of_slot(by_slot_m: np.ndarray, ord_m: np.ndarray, col: np.ndarray, recv: np.ndarray) -> np.ndarray:
-    """Slot m's maximum without its heaviest bin and without receiver b (per receiver)."""
+class _Pass:
+    """One pass's inputs and the views it keeps current: each bin's samples (a [bins + 1, width] table,
+    ascending, -1 padded; its last row is empty), and per state (between two changes) the slots'
+    bins in order, the bins ranked by headroom, and which slots a batch can probe (``prep``)."""
+
+    def __init__(self, bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray, cost: CostModel,
+                 cap: int, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray, real: np.ndarray,
+                 extra: tuple[np.ndarray, np.ndarray, int] | None) -> None:
+        D, K = grid.shape
+        nb = D * K
+        self.bin_of, self.grid, self.lens, self.costs, self.cost, self.cap = bin_of, grid, lens, costs, cost, cap
+        self.A, self.T, self.C, self.cnt, self.extra = A, T, C, cnt, extra
+        self.real, self.real_idx = real, np.flatnonzero(real)
+        self.slot_of = np.empty(nb, dtype=np.int64)
+        self.slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)  # grid is [D, K] row-major
+        self.slot_real = self.slot_of[self.real_idx]
+        self.finite = bool(np.isfinite(C).all())
+        self.size = np.bincount(bin_of, minlength=nb)  # samples per bin, as the table holds them
+        self.table: np.ndarray | None = None
+        if int(self.size.max()) <= _TABLE_WIDTH:
+            keys = bin_of.astype(np.uint16) if nb <= 1 << 16 else bin_of  # a stable sort is unique: radix is exact
+            srt = np.argsort(keys, kind="stable")  # by bin, ascending samples within a bin
+            start = np.cumsum(self.size) - self.size
+            self.table = np.full((nb + 1, int(self.size.max())), -1, dtype=np.int64)
+            self.table[bin_of[srt], np.arange(srt.size) - start[bin_of[srt]]] = srt
+        # the slot-major bins, and per slot where its real bins end in its order (a batch's receivers)
+        self.slot_bins, self.at = np.ascontiguousarray(grid.T).reshape(-1), (np.arange(K) * D)[:, None]
+        nr = np.bincount(self.slot_real, minlength=K)
+        self.n_real, self.full, self.few = nr.tolist(), nr == D, nr - 1 <= _RECEIVERS
+        base = np.arange(K) * D
+        self.ends = (base + np.maximum(nr - 1, 0), base + np.maximum(nr - _RECEIVERS - 1, 0),
+                     base + np.maximum(nr - _RECEIVERS, 0))
+        pos = np.maximum(nr - _RECEIVERS, 1)[:, None] + np.arange(_RECEIVERS)  # the lightest real bins but the first
+        self.light_at, self.light_ok = base[:, None] + np.minimum(pos, D - 1), pos < nr[:, None]
+        self.batch = (self.table is not None and self.real_idx.size - 1 > 2 * _RECEIVERS
+                      and (is_additive(cost) or type(cost) in (FlopsCost, TokenCost)))  # elementwise costs
+        self.state: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self.known: dict[int, tuple[int, int, int] | None] = {}
+
+    def refresh(self, by_slot: np.ndarray, order: np.ndarray, top: np.ndarray) -> None:
+        """Take a new state's slot view (after a change); its rankings are made at its first probe."""
+        if self.state is None:
+            self.state, self.ready, self.known = (by_slot, order, top), False, {}
+
+    def prep(self) -> None:
+        """The state's rankings: each slot's bins and costs heaviest first (``bins``, ``vals``: [K, D]);
+        the ``_RECEIVERS`` real bins with the most headroom (``head``, ascending; ``head_mask``;
+        ``head_samples``) and the least headroom among them (``low``: NaN when that set is not unique —
+        a tie with the next bin — or a cost is not finite: each probe then ranks its own receivers);
+        and per slot whether a batch can probe it (``ok``) or it holds only placeholders (``empty``)."""
+        if self.ready:
+            return
+        self.ready = True
+        by_slot, order, top = self.state  # type: ignore[misc]
+        flat = order + self.at
+        self.bins, self.vals = self.slot_bins[flat], by_slot.reshape(-1)[flat]
+        self.low = np.nan
+        if self.real_idx.size - 1 > 2 * _RECEIVERS:
+            head = top[self.slot_real] - self.C[self.real_idx]  # the same values every probe's own ranking sees
+            part = np.argpartition(-head, _RECEIVERS)
+            low = float(head[part[:_RECEIVERS]].min())
+            if self.finite and low > head[part[_RECEIVERS]]:
+                self.low, self.head = low, np.sort(self.real_idx[part[:_RECEIVERS]])
+                self.head_mask = np.zeros(self.C.size, dtype=bool)
+                self.head_mask[self.head] = True
+        a = self.bins[:, 0]  # each slot's heaviest: headroom 0, the least, so never among a unique top set
+        self.empty = (self.cnt[a] == 0).tolist()
+        if not self.batch or np.isnan(self.low):
+            self.ok = [False] * a.size
+            return
+        rows = self.table[self.head]  # type: ignore[index]
+        self.head_samples = rows[rows >= 0]
+        v, (last, above, at) = self.vals.reshape(-1), self.ends
+        self.ok = ((self.size[a] == 1)  # one sample: no moves
+                   & (self.full | (v[last] > 0))  # the slot's real bins lead its order (placeholders cost 0)
+                   & (self.few | (v[above] > v[at]))).tolist()  # no tie at the slot's 24th lightest
+
+    def members(self, a: int) -> np.ndarray:
+        """Bin a's samples, ascending."""
+        if self.table is not None:
+            return self.table[a, :self.size[a]]
+        return np.flatnonzero(self.bin_of == a)
+
+    def samples_of(self, recv: np.ndarray) -> np.ndarray:
+        """The samples of the bins ``recv``, ascending."""
+        if self.table is not None:
+            rows = self.table[recv]
+            return np.sort(rows[rows >= 0])
+        is_recv = np.zeros(self.C.size, dtype=bool)
+        is_recv[recv] = True
+        return np.flatnonzero(is_recv[self.bin_of])
+
+    def changed(self, i: int, a: int, b: int, j: int) -> None:
+        """After ``apply_change(i, a, b, j, ...)``: the two bins' costs and samples; a new state follows."""
+        C, A, T, cnt = self.C, self.A, self.T, self.cnt
+        for x in (a, b):
+            C[x] = bin_costs(self.cost, A[x:x + 1], T[x:x + 1], cnt[x:x + 1])[0]
+        self.finite = self.finite and bool(np.isfinite(C[a]) and np.isfinite(C[b]))
+        self.state = None
+        self.size[a] += (j >= 0) - 1
+        self.size[b] += 1 - (j >= 0)
+        if self.table is None:
+            return
+        rows = {x: [s for s in self.table[x].tolist() if s >= 0 and s not in (i, j)] for x in (a, b)}
+        rows[b].append(i)
+        if j >= 0:
+            rows[a].append(j)
+        w = max(len(rows[a]), len(rows[b]))
+        if w > _TABLE_WIDTH:
+            self.table, self.batch = None, False
+            return
+        if w > self.table.shape[1]:
+            pad = np.full((self.table.shape[0], w - self.table.shape[1]), -1, dtype=np.int64)
+            self.table = np.concatenate([self.table, pad], axis=1)
+        for x, row in rows.items():
+            self.table[x] = -1
+            self.table[x, :len(row)] = sorted(row)
+
+
+def _probe(ps: _Pass, window: list[int], rel_tol: float) -> tuple[int, int, int] | None:
+    """The best change out of slot ``window[0]``'s heaviest bin. When a batch can probe it, the next slots
+    of ``window`` it can probe are probed with it (``ps.known``: None for each slot before the first
+    with a change, and that change)."""
+    ps.prep()
+    rows: list[int] = []
+    for m in window:
+        if ps.empty[m]:
+            continue  # the pass skips it without a probe
+        if not ps.ok[m]:
+            break
+        rows.append(m)
+    m = window[0]
+    if not rows or rows[0] != m:
+        _, order, top = ps.state  # type: ignore[misc]
+        return _best_change(ps, int(ps.grid[order[m, 0], m]), m, tol=rel_tol * float(top[m]))
+    found = _swap_batch(ps, np.array(rows), rel_tol)
+    for k, c in enumerate(rows):
+        ps.known[c] = None if found is None or k < found[0] else found[1]
+        if found is not None and k == found[0]:
+            break
+    return ps.known[m]
+
+
+def _swap_batch(ps: _Pass, ms: np.ndarray, rel_tol: float) -> tuple[int, tuple[int, int, int]] | None:
+    """(k, change) for the first slot ``ms[k]`` whose heaviest bin (one sample) has an acceptable swap,
+    with the change :func:`_best_change` returns for it; None if none has. One row per slot: the
+    samples of its receivers (the headroom ones, then its own lightest), -1 padded; every value is
+    computed by the operations :func:`_best_change` applies to it, so each row decides as it would."""
+    by_slot, order, slot_max = ps.state  # type: ignore[misc]
+    table, A, T, cnt, bin_of, cost, cap, extra = ps.table, ps.A, ps.T, ps.cnt, ps.bin_of, ps.cost, ps.cap, ps.extra
+    assert table is not None
+    P, D = ms.size, ps.bins.shape[1]
+    a = ps.bins[ms, 0]
+    i = table[a, 0]
+    S = np.concatenate((np.broadcast_to(ps.head_samples, (P, ps.head_samples.size)),
+                        table[_own_receivers(ps, ms)].reshape(P, -1)), axis=1)
+    ob = bin_of[S]
+    cj, lj, so = ps.costs[S], ps.lens[S], ps.slot_of[ob]
+    ci, li = ps.costs[i][:, None], ps.lens[i][:, None]
+    top = slot_max[ms][:, None]
+    tol = rel_tol * top
+    tok_a = (T[a][:, None] - li) + lj
+    tok_b = (T[ob] - lj) + li
+    new_a = bin_costs(cost, (A[a][:, None] - ci) + cj, tok_a, cnt[a][:, None])
+    new_b = bin_costs(cost, (A[ob] - cj) + ci, tok_b, cnt[ob])
+    fits = (S >= 0) & (tok_a <= cap) & (tok_b <= cap)
+    if extra is not None:
+        xi, xj, Xt, xc = extra[0][i][:, None], extra[0][S], extra[1], extra[2]
+        fits &= ((Xt[a][:, None] - xi) + xj <= xc) & ((Xt[ob] - xj) + xi <= xc)
+    rm = np.where(ob == (ps.bins[ms, 1][:, None] if D > 1 else -1), ps.vals[ms, 2][:, None] if D > 2 else 0.0,
+                  ps.vals[ms, 1][:, None] if D > 1 else 0.0)  # slot m's max without a and the receiver
+    om = slot_max[so]
+    d_same = np.maximum(np.maximum(new_a, new_b), rm) - top
+    d_other = (np.maximum(new_a, rm) - top) + (np.maximum(om, new_b) - om)
+    delta = np.where(fits, np.where(so == ms[:, None], d_same, d_other), np.inf)
+    side = (delta <= tol * 1e-3) & (new_a <= top - tol) & (new_b <= top - tol)  # as _pick
+    score = np.where(delta < -tol, delta, np.where(side, -(top - new_a) * 1e-12, np.inf))
+    low = score.min(axis=1)
+    hit = np.flatnonzero(np.isfinite(low))
+    if not hit.size:
+        return None
+    k = int(hit[0])
+    j = int(S[k][score[k] == low[k]].min())  # the first best in ascending sample order, as argmin takes it
+    return k, (int(i[k]), int(bin_of[j]), j)
+
+
+def _own_receivers(ps: _Pass, ms: np.ndarray) -> np.ndarray:
+    """[slots, _RECEIVERS]: each slot's lightest real bins but its heaviest that are not headroom receivers,
+    padded with the member table's empty row (for slots ``ps.ok`` marks)."""
+    light = ps.bins.reshape(-1)[ps.light_at[ms]]
+    return np.where(ps.light_ok[ms] & ~ps.head_mask[light], light, ps.table.shape[0] - 1)  # type: ignore[union-attr]
+
+
+def _receivers(ps: _Pass, a: int, m: int) -> np.ndarray:
+    """Ascending receiver bins of a change out of bin a (slot m's heaviest): the real bins but a with the
+    most headroom under their slot's maximum, and the lightest of slot m; every real bin but a when
+    there are at most 2·``_RECEIVERS`` of them. From the state's rankings when they are this probe's."""
+    real_idx = ps.real_idx
+    if real_idx.size - 1 <= 2 * _RECEIVERS:
+        return real_idx[real_idx != a]
+    ps.prep()
+    by_slot, order, top = ps.state  # type: ignore[misc]
+    if np.isnan(ps.low):  # no unique headroom ranking
+        return _receivers_exact(ps, a, m)
+    nr, v, (last, above, at) = ps.n_real[m], ps.vals.reshape(-1), ps.ends
+    if not ((ps.full[m] or v[last[m]] > 0) and (ps.few[m] or v[above[m]] > v[at[m]])):
+        return _receivers_exact(ps, a, m)
+    light = ps.bins[m, max(nr - _RECEIVERS, 1):nr]
+    return np.sort(np.concatenate((ps.head, light[~ps.head_mask[light]])))
+
+
+def _receivers_exact(ps: _Pass, a: int, m: int) -> np.ndarray:
+    """:func:`_receivers` ranked for this probe alone (argpartition's choice among ties included)."""
+    _, _, slot_max = ps.state  # type: ignore[misc]
+    C, real_mask, real_idx, col = ps.C, ps.real, ps.real_idx, ps.grid[:, m]
+    pool = real_idx[real_idx != a]
+    is_recv = np.zeros(C.size, dtype=bool)
+    mine = np.sort(col[real_mask[col] & (col != a)])  # slot m's real bins but a, ascending (col: slot m's bins)
+    head = slot_max[ps.slot_of[pool]] - C[pool]
+    is_recv[pool[np.argpartition(-head, _RECEIVERS)[:_RECEIVERS]]] = True
+    is_recv[mine if mine.size <= _RECEIVERS else mine[np.argpartition(C[mine], _RECEIVERS)[:_RECEIVERS]]] = True
+    return np.flatnonzero(is_recv)  # the union, ascending
+
+
+def _rest_of_slot(by_slot_m: np.ndarray, ord_m: np.ndarray, col: np.ndarray) -> tuple[int, float, float]:
+    """Slot m's second heaviest bin, and the slot's maximum without its heaviest bin: without the second
+    too (for a receiver that is the second), and with it."""
     second = int(col[ord_m[1]]) if ord_m.size > 1 else -1
     second_val = by_slot_m[ord_m[1]] if ord_m.size > 1 else 0.0
     third_val = by_slot_m[ord_m[2]] if ord_m.size > 2 else 0.0
-    return np.where(recv == second, third_val, second_val)
+    return second, third_val, second_val
 
 
 def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, tol: float) -> int | None:
@@ -144,41 +388,21 @@ def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, t
     return k if np.isfinite(score.flat[k]) else None
 
 
-def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarray, C: np.ndarray, cnt: np.ndarray,
-                 slot_of: np.ndarray, by_slot: np.ndarray, order: np.ndarray, slot_max: np.ndarray, lens: np.ndarray,
-                 costs: np.ndarray, cost: CostModel, cap: int, grid: np.ndarray, *, tol: float,
-                 extra: tuple[np.ndarray, np.ndarray, int] | None = None,
-                 real: tuple[np.ndarray, np.ndarray] | None = None) -> tuple[int, int, int] | None:
-    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap
-    (``slot_max``: each slot's largest cost, ``by_slot[k, order[k, 0]]``).
-
-    ``extra``: (per-sample amount, per-bin totals, cap) of a second resource every change keeps.
-    ``real``: the mask and ascending indices of the bins with samples (``cnt > 0``), when known."""
-    members = np.flatnonzero(bin_of == a)
-    top = by_slot[m, order[m, 0]]
-    nb = A.size
-    col = grid[:, m]
-    # receivers: the real bins with the most headroom under their slot's maximum, and the lightest of
-    # slot m (placeholders stay empty: their slot geometry is the plan's)
-    real_mask, real_idx = (cnt > 0, None) if real is None else real
-    pool = np.flatnonzero(real_mask & (np.arange(nb) != a)) if real_idx is None else real_idx[real_idx != a]
-    if not pool.size:
+def _best_change(ps: _Pass, a: int, m: int, *, tol: float) -> tuple[int, int, int] | None:
+    """(sample i of a, receiver bin b, sample j of b or -1) of the best acceptable move or swap out of
+    bin a, slot m's heaviest (``tol``: the least gain that counts as one)."""
+    members = ps.members(a)
+    recv = _receivers(ps, a, m)
+    if not recv.size:
         return None
-    is_recv = np.zeros(nb, dtype=bool)
-    if pool.size > 2 * _RECEIVERS:
-        mine = np.sort(col[real_mask[col] & (col != a)])  # slot m's real bins but a, ascending (col: slot m's bins)
-        head = slot_max[slot_of[pool]] - C[pool]
-        is_recv[pool[np.argpartition(-head, _RECEIVERS)[:_RECEIVERS]]] = True
-        is_recv[mine if mine.size <= _RECEIVERS else mine[np.argpartition(C[mine], _RECEIVERS)[:_RECEIVERS]]] = True
-        recv = np.flatnonzero(is_recv)  # the union, ascending
-    else:
-        recv = pool
-        is_recv[recv] = True
-    rest_m = _rest_of_slot(by_slot[m], order[m], col, recv)  # slot m's max without a and the receiver
-    same = slot_of[recv] == m
-    ci, li = costs[members], lens[members]
+    by_slot, order, slot_max = ps.state  # type: ignore[misc]
+    A, T, cnt, slot_of, cost, cap, extra = ps.A, ps.T, ps.cnt, ps.slot_of, ps.cost, ps.cap, ps.extra
+    top = by_slot[m, order[m, 0]]
+    second, third_val, second_val = _rest_of_slot(by_slot[m], order[m], ps.grid[:, m])
+    ci, li = ps.costs[members], ps.lens[members]
     best: tuple[float, int, int, int] | None = None
     if members.size > 1:  # moves: sample i of a -> bin b
+        rest_m = np.where(recv == second, third_val, second_val)  # slot m's max without a and the receiver
         new_a = np.broadcast_to(bin_costs(cost, A[a] - ci, T[a] - li, cnt[a] - 1)[:, None], (ci.size, recv.size))
         new_b = bin_costs(cost, A[recv][None] + ci[:, None], T[recv][None] + li[:, None], cnt[recv][None] + 1)
         fits = T[recv][None] + li[:, None] <= cap
@@ -187,29 +411,32 @@ def _best_change(a: int, m: int, bin_of: np.ndarray, A: np.ndarray, T: np.ndarra
         other_max = slot_max[slot_of[recv]][None]
         d_same = np.maximum(np.maximum(new_a, new_b), rest_m[None]) - top
         d_other = (np.maximum(new_a, rest_m[None]) - top) + (np.maximum(other_max, new_b) - other_max)
-        delta = np.where(fits, np.where(same[None], d_same, d_other), np.inf)
+        delta = np.where(fits, np.where((slot_of[recv] == m)[None], d_same, d_other), np.inf)
         k = _pick(delta, new_a, new_b, top, tol)
         if k is not None:
             i, bj = divmod(k, recv.size)
             best = (float(delta.flat[k]), int(members[i]), int(recv[bj]), -1)
-    others = np.flatnonzero(is_recv[bin_of])
+    others = ps.samples_of(recv)
     if others.size:  # swaps: sample i of a <-> a lighter sample j of another bin
-        ob = bin_of[others]
-        cj, lj = costs[others], lens[others]
-        pos = np.searchsorted(recv, ob)
-        new_a = bin_costs(cost, A[a] - ci[:, None] + cj[None], T[a] - li[:, None] + lj[None], cnt[a])
-        new_b = bin_costs(cost, (A[ob] - cj)[None] + ci[:, None], (T[ob] - lj)[None] + li[:, None], cnt[ob][None])
-        fits = (T[a] - li[:, None] + lj[None] <= cap) & ((T[ob] - lj)[None] + li[:, None] <= cap)
+        ob = ps.bin_of[others]
+        cj, lj = ps.costs[others], ps.lens[others]
+        so = slot_of[ob]
+        Ta = T[a] - li[:, None]
+        Tb = T[ob] - lj
+        new_a = bin_costs(cost, A[a] - ci[:, None] + cj[None], Ta + lj[None], cnt[a])
+        new_b = bin_costs(cost, (A[ob] - cj)[None] + ci[:, None], Tb[None] + li[:, None], cnt[ob][None])
+        fits = (Ta + lj[None] <= cap) & (Tb[None] + li[:, None] <= cap)
         if extra is not None:
             xi, xj, Xt, xc = extra[0][members], extra[0][others], extra[1], extra[2]
             fits &= (Xt[a] - xi[:, None] + xj[None] <= xc) & ((Xt[ob] - xj)[None] + xi[:, None] <= xc)
-        rm = rest_m[pos][None]
-        om = slot_max[slot_of[ob]][None]
+        rm = np.where(ob == second, third_val, second_val)[None]
+        om = slot_max[so][None]
         d_same = np.maximum(np.maximum(new_a, new_b), rm) - top
         d_other = (np.maximum(new_a, rm) - top) + (np.maximum(om, new_b) - om)
-        delta = np.where(fits, np.where(same[pos][None], d_same, d_other), np.inf)
+        delta = np.where(fits, np.where((so == m)[None], d_same, d_other), np.inf)
         k = _pick(delta, new_a, new_b, top, tol)
         if k is not None and (best is None or delta.flat[k] < best[0] - tol):
             i, jj = divmod(k, others.size)
             best = (float(delta.flat[k]), int(members[i]), int(ob[jj]), int(others[jj]))
     return None if best is None else best[1:]
+
