@@ -29,7 +29,8 @@ def _cost(kind: str, values: str):
     q = 0.01 if values == "wide" else 0.0  # integer lengths and no quadratic term: integer costs, ties everywhere
     pm = 0.0 if values == "zeros" else 3.0  # empty samples and no per-micro cost: real micro-batches of cost 0
     return {"additive": FlopsCost(linear=1.0, quadratic=q, per_micro=pm),
-            "packed": FlopsCost(linear=1.0, per_micro=pm, packed_quadratic=0.004 if values == "wide" else 1.0),
+            "packed": FlopsCost(linear=1.0, quadratic=q, per_micro=pm,
+                                packed_quadratic=0.004 if values == "wide" else 1.0),
             "token": TokenCost(per_micro=pm),
             "unrecognised": _Dense(linear=1.0, quadratic=q, per_micro=pm, packed_quadratic=0.5)}[kind]
 
@@ -84,6 +85,7 @@ _LAYOUTS = st.sampled_from(["random", "crowded", "spread"])
 @given(st.integers(0, 2 ** 32 - 1), st.integers(1, 40), st.integers(1, 8), _KINDS, _VALUES, _LAYOUTS,
        st.booleans(), st.booleans(), st.sampled_from([None, 3, 200]), st.sampled_from([1e-5, 0.0]))
 def test_refine_lockstep_matches_reference(seed, D, K, kind, values, layout, arranged, with_extra, max_iters, rel_tol):
+    """The same bins out, the same sums left, the input untouched."""
     bin_of, grid, lens, costs, cost, cap, extra = _case(seed, D, K, kind, values, layout, arranged, with_extra)
     nb = D * K
     sums = [(np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb),
@@ -109,7 +111,7 @@ def _probe_state(seed, D, K, kind, values, layout, with_extra):
     X = None if extra is None else np.bincount(bin_of, weights=extra[0], minlength=nb)
     ext = None if extra is None else (extra[0], X, extra[1])
     lens_f = lens.astype(np.float64)
-    by_slot, order, top, _, _ = new._slots(C, grid)
+    by_slot, order, top, _, _ = new._slots(C, np.ascontiguousarray(grid.T))
     ps = new._Pass(bin_of, grid, lens_f, costs, cost, cap, A, T, C, cnt, cnt > 0, ext)
     ps.refresh(by_slot, order, top)
     slot_of = np.empty(nb, dtype=np.int64)
@@ -123,7 +125,6 @@ def test_each_probe_path_matches_reference_best_change(seed, D, K, kind, values,
     """The one-slot probe, and a batch of one slot wherever a batch may probe it, find the reference's change."""
     ps, args, ext, (order, top, cnt) = _probe_state(seed, D, K, kind, values, layout, with_extra)
     ps.prep()
-    batched = 0
     for m in range(K):
         a = int(args[-1][order[m, 0], m])
         if cnt[a] == 0:
@@ -134,14 +135,14 @@ def test_each_probe_path_matches_reference_best_change(seed, D, K, kind, values,
         if ps.ok[m]:
             found = new._swap_batch(ps, np.array([m]), 1e-5)
             assert (None if found is None else found[1]) == want
-            batched += 1
-    assert batched <= K
 
 
-@given(st.integers(0, 2 ** 32 - 1), st.integers(8, 40), st.integers(2, 8), _VALUES, st.booleans())
-def test_batch_returns_the_first_slot_with_a_change(seed, D, K, values, with_extra):
-    """A batch of several slots stops at the first whose probe finds a change, with that change."""
-    ps, args, ext, (order, top, cnt) = _probe_state(seed, D, K, "additive", values, "spread", with_extra)
+@settings(max_examples=200)
+@given(st.integers(0, 2 ** 32 - 1), st.integers(8, 40), st.integers(2, 8), _KINDS, _VALUES, st.booleans())
+def test_batch_returns_the_first_slot_with_a_change(seed, D, K, kind, values, with_extra):
+    """A batch of several slots (bins as the planner leaves them: the heaviest alone) stops at the first
+    whose probe finds a change, with that change."""
+    ps, args, ext, (order, top, cnt) = _probe_state(seed, D, K, kind, values, "spread", with_extra)
     ps.prep()
     rows = [m for m in range(K) if ps.ok[m]]
     if not rows:
@@ -156,17 +157,17 @@ def test_batch_returns_the_first_slot_with_a_change(seed, D, K, values, with_ext
 
 
 def _reference_receivers(a, m, C, cnt, slot_of, slot_max, grid):
-    """The receivers ``_lockstep_reference._best_change`` examines (its lines, verbatim)."""
-    nb = C.size
+    """The receivers ``_lockstep_reference._best_change`` examines (its lines; R for its _RECEIVERS)."""
+    nb, R = C.size, ref._RECEIVERS
     col = grid[:, m]
     real_mask = cnt > 0
     pool = np.flatnonzero(real_mask & (np.arange(nb) != a))
     is_recv = np.zeros(nb, dtype=bool)
-    if pool.size > 2 * ref._RECEIVERS:
+    if pool.size > 2 * R:
         mine = np.sort(col[real_mask[col] & (col != a)])
         head = slot_max[slot_of[pool]] - C[pool]
-        is_recv[pool[np.argpartition(-head, ref._RECEIVERS)[:ref._RECEIVERS]]] = True
-        is_recv[mine if mine.size <= ref._RECEIVERS else mine[np.argpartition(C[mine], ref._RECEIVERS)[:ref._RECEIVERS]]] = True
+        is_recv[pool[np.argpartition(-head, R)[:R]]] = True
+        is_recv[mine if mine.size <= R else mine[np.argpartition(C[mine], R)[:R]]] = True
         return np.flatnonzero(is_recv)
     return pool
 
@@ -220,7 +221,7 @@ def test_receivers_at_a_slots_lightest_boundary(seed, D, K, mode, with_extra):
     cnt = np.bincount(bin_of, minlength=nb)
     A, T = np.bincount(bin_of, weights=costs, minlength=nb), np.bincount(bin_of, weights=lens, minlength=nb)
     C = np.where(cnt > 0, bin_costs(cost, A, T, cnt), 0.0)
-    by_slot, order, top, _, _ = new._slots(C, grid)
+    by_slot, order, top, _, _ = new._slots(C, np.ascontiguousarray(grid.T))
     ps = new._Pass(bin_of, grid, lens.astype(np.float64), costs, cost, cap, A, T, C, cnt, cnt > 0, None)
     ps.refresh(by_slot, order, top)
     ps.prep()

@@ -11,20 +11,26 @@ totals). Moves keep every micro-batch within the token cap (and a second capped 
 ``extra``: vision tokens) and non-empty.
 
 The receivers of a change are the 24 real micro-batches with the most headroom under their slot's
-maximum and the 24 lightest of the slot itself. Between two changes the bins' costs, the slots'
-order and every headroom stay fixed, so the pass ranks them once per change (``_Pass.refresh``)
-and each probe of a slot reuses that ranking; a probe falls back to ranking its own receivers
-(``_receivers_exact``) whenever the shared ranking could differ from its own: a tie at the 24th
-receiver, a non-finite cost, or a slot whose real micro-batches do not all cost more than its
-placeholders. Each bin's samples are kept in a table updated by every change, in ascending
-sample order (the order every tie between equally good changes is broken by), so a probe reads
-its receivers' samples without a scan over the batch.
+maximum and the 24 lightest of the slot itself. Between two changes nothing moves, so the pass
+ranks the slots and the headroom once per change (``_Pass.prep``) and every probe until the next
+change reuses them; a probe ranks its own receivers (``_receivers_exact``) wherever the shared
+ranking could differ from its own: a tie at the 24th receiver, a non-finite cost, or a slot whose
+real micro-batches do not all cost more than its placeholders. The probes a state can still make
+(the slots next in line, as far as patience and iterations reach) run as one batch of numpy
+operations, one row per slot (``_swap_batch``: heaviest micro-batches of one sample); the first
+slot with a change is the one the pass applies, and the rows before it are the probes that found
+none. Every value a row compares is computed by the operations the one-slot probe
+(``_best_change``) applies to it, and ties between equally good changes go to the lowest sample
+index, as there. Each bin's samples are kept in a table updated by every change, ascending, so a
+probe reads its receivers' samples without a scan over the batch.
 
 Guarantees: Σ_m max cost never increases; the cap holds; no micro-batch empties; deterministic; the
-shared rankings change no decision (a probe picks what ranking its own receivers would pick).
-Cost: O(bins) numpy per change (the slots' order, the headroom ranking), and per probe O(receivers'
-samples × samples of the heaviest micro-batch) numpy (O(n) per probe only when a bin holds more
-than ``_TABLE_WIDTH`` samples), at most ``max_iters`` probes (default min(2·K + 16, 64)).
+shared rankings and the batches change no decision (tests/test_lockstep_reference.py compares the
+pass with a frozen one-slot-at-a-time copy, bit for bit).
+Cost: O(bins) numpy per change (the slots' order, the headroom ranking) and one batch of
+O(slots × receivers' samples) numpy per change; a slot whose heaviest micro-batch holds several
+samples is probed alone (O(its samples × receivers' samples)); O(n) per probe only when a bin holds
+more than ``_TABLE_WIDTH`` samples. At most ``max_iters`` probes (default min(2·K + 16, 64)).
 Trade-off: the slot-blind bin refine leaves a spread of a few percent in the slots after the
 first, which this pass removes (benchmarks/bench_meter.py measures it). It stops within
 ``STOP_GAP`` (0.1 %) of its floor: the last fractions of a percent are the dearest.
@@ -68,9 +74,10 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
     ps: _Pass | None = None
     best_obj, since = np.inf, 0
     state = None  # the slots' view of C, refreshed only after a change (a slot found stuck changes nothing)
+    slots = np.ascontiguousarray(grid.T)
     for it in range(iters):
         if state is None:
-            state, stuck = _slots(C, grid), 0  # stuck: the first `stuck` slots of `ranked` moved nothing
+            state, stuck = _slots(C, slots), 0  # stuck: the first `stuck` slots of `ranked` moved nothing
         by_slot, order, top, ranked, obj = state
         if stuck >= K:
             break
@@ -104,21 +111,24 @@ def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, cost
             stuck += 1
             continue
         i, b, j = got
-        apply_change(i, a, b, j, bin_of, A, costs, T, ps.lens, cnt, None if X is None else (X, extra[0]))  # type: ignore[index]
+        apply_change(i, a, b, j, bin_of, A, costs, T, ps.lens, cnt,
+                     None if X is None else (X, extra[0]))  # type: ignore[index]
         ps.changed(i, a, b, j)
         state = None
     return bin_of
 
 
-def _slots(C: np.ndarray, grid: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], float]:
-    """The slots' costs ``by_slot[m, r]``, each slot's order (heaviest first), its maximum, the slots by
-    lead of their maximum over their second (largest first), and Σ of the maxima."""
-    D, K = grid.shape
-    by_slot = C.reshape(-1)[grid.T]          # [K, D] costs per slot
+def _slots(C: np.ndarray, slots: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[int], float]:
+    """The slots' costs ``by_slot[m, r]`` (``slots``: ``grid.T``, contiguous), each slot's order (heaviest
+    first), its maximum, the slots by lead of their maximum over their second (largest first), and Σ of
+    the maxima."""
+    K, D = slots.shape
+    by_slot = C[slots]          # [K, D] costs per slot
     order = np.argsort(-by_slot, axis=1)
-    top = by_slot[np.arange(K), order[:, 0]]
-    second = by_slot[np.arange(K), order[:, 1]] if D > 1 else np.zeros(K)
-    ranked = np.lexsort((np.arange(K), -top, -(top - second))).tolist()
+    ar = np.arange(K)
+    top = by_slot[ar, order[:, 0]]
+    second = by_slot[ar, order[:, 1]] if D > 1 else np.zeros(K)
+    ranked = np.lexsort((ar, -top, -(top - second))).tolist()
     return by_slot, order, top, ranked, float(top.sum())
 
 
@@ -170,13 +180,15 @@ class _Pass:
         self.slot_bins, self.at = np.ascontiguousarray(grid.T).reshape(-1), (np.arange(K) * D)[:, None]
         nr = np.bincount(self.slot_real, minlength=K)
         self.n_real, self.full, self.few = nr.tolist(), nr == D, nr - 1 <= _RECEIVERS
+        self.all_real, self.all_few = self.real_idx.size == nb, bool(self.few.all())
         base = np.arange(K) * D
         self.ends = (base + np.maximum(nr - 1, 0), base + np.maximum(nr - _RECEIVERS - 1, 0),
                      base + np.maximum(nr - _RECEIVERS, 0))
         pos = np.maximum(nr - _RECEIVERS, 1)[:, None] + np.arange(_RECEIVERS)  # the lightest real bins but the first
         self.light_at, self.light_ok = base[:, None] + np.minimum(pos, D - 1), pos < nr[:, None]
+        self.packed = not is_additive(cost)  # bin costs read the token totals and counts
         self.batch = (self.table is not None and self.real_idx.size - 1 > 2 * _RECEIVERS
-                      and (is_additive(cost) or type(cost) in (FlopsCost, TokenCost)))  # elementwise costs
+                      and (not self.packed or type(cost) in (FlopsCost, TokenCost)))  # elementwise costs
         self.state: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
         self.known: dict[int, tuple[int, int, int] | None] = {}
 
@@ -190,7 +202,7 @@ class _Pass:
         the ``_RECEIVERS`` real bins with the most headroom (``head``, ascending; ``head_mask``;
         ``head_samples``) and the least headroom among them (``low``: NaN when that set is not unique —
         a tie with the next bin — or a cost is not finite: each probe then ranks its own receivers);
-        and per slot whether a batch can probe it (``ok``) or it holds only placeholders (``empty``)."""
+        and per slot whether a batch can probe it (``ok``)."""
         if self.ready:
             return
         self.ready = True
@@ -199,24 +211,30 @@ class _Pass:
         self.bins, self.vals = self.slot_bins[flat], by_slot.reshape(-1)[flat]
         self.low = np.nan
         if self.real_idx.size - 1 > 2 * _RECEIVERS:
-            head = top[self.slot_real] - self.C[self.real_idx]  # the same values every probe's own ranking sees
+            if self.all_real:  # the same values every probe's own ranking sees
+                head = top[self.slot_of] - self.C
+            else:
+                head = top[self.slot_real] - self.C[self.real_idx]
             part = np.argpartition(-head, _RECEIVERS)
             low = float(head[part[:_RECEIVERS]].min())
             if self.finite and low > head[part[_RECEIVERS]]:
-                self.low, self.head = low, np.sort(self.real_idx[part[:_RECEIVERS]])
+                self.low = low
+                self.head = np.sort(part[:_RECEIVERS] if self.all_real else self.real_idx[part[:_RECEIVERS]])
                 self.head_mask = np.zeros(self.C.size, dtype=bool)
                 self.head_mask[self.head] = True
-        a = self.bins[:, 0]  # each slot's heaviest: headroom 0, the least, so never among a unique top set
-        self.empty = (self.cnt[a] == 0).tolist()
+        self.heavy = a = self.bins[:, 0]  # each slot's heaviest: headroom 0, the least, never in a unique top set
         if not self.batch or np.isnan(self.low):
             self.ok = [False] * a.size
             return
         rows = self.table[self.head]  # type: ignore[index]
         self.head_samples = rows[rows >= 0]
+        ok = self.size[a] == 1  # one sample: no moves, and not a slot of placeholders only
         v, (last, above, at) = self.vals.reshape(-1), self.ends
-        self.ok = ((self.size[a] == 1)  # one sample: no moves
-                   & (self.full | (v[last] > 0))  # the slot's real bins lead its order (placeholders cost 0)
-                   & (self.few | (v[above] > v[at]))).tolist()  # no tie at the slot's 24th lightest
+        if not self.all_real:  # the slot's real bins lead its order (placeholders cost 0)
+            ok &= self.full | (v[last] > 0)
+        if not self.all_few:  # no tie at the slot's 24th lightest
+            ok &= self.few | (v[above] > v[at])
+        self.ok = ok.tolist()
 
     def members(self, a: int) -> np.ndarray:
         """Bin a's samples, ascending."""
@@ -265,17 +283,10 @@ def _probe(ps: _Pass, window: list[int], rel_tol: float) -> tuple[int, int, int]
     of ``window`` it can probe are probed with it (``ps.known``: None for each slot before the first
     with a change, and that change)."""
     ps.prep()
-    rows: list[int] = []
-    for m in window:
-        if ps.empty[m]:
-            continue  # the pass skips it without a probe
-        if not ps.ok[m]:
-            break
-        rows.append(m)
     m = window[0]
+    rows = [c for c in window if ps.ok[c]]  # the others are probed one by one (or, placeholders only, not at all)
     if not rows or rows[0] != m:
-        _, order, top = ps.state  # type: ignore[misc]
-        return _best_change(ps, int(ps.grid[order[m, 0], m]), m, tol=rel_tol * float(top[m]))
+        return _best_change(ps, int(ps.heavy[m]), m, tol=rel_tol * float(ps.state[2][m]))  # type: ignore[index]
     found = _swap_batch(ps, np.array(rows), rel_tol)
     for k, c in enumerate(rows):
         ps.known[c] = None if found is None or k < found[0] else found[1]
@@ -289,11 +300,11 @@ def _swap_batch(ps: _Pass, ms: np.ndarray, rel_tol: float) -> tuple[int, tuple[i
     with the change :func:`_best_change` returns for it; None if none has. One row per slot: the
     samples of its receivers (the headroom ones, then its own lightest), -1 padded; every value is
     computed by the operations :func:`_best_change` applies to it, so each row decides as it would."""
-    by_slot, order, slot_max = ps.state  # type: ignore[misc]
+    slot_max = ps.state[2]  # type: ignore[index]
     table, A, T, cnt, bin_of, cost, cap, extra = ps.table, ps.A, ps.T, ps.cnt, ps.bin_of, ps.cost, ps.cap, ps.extra
     assert table is not None
     P, D = ms.size, ps.bins.shape[1]
-    a = ps.bins[ms, 0]
+    a = ps.heavy[ms]
     i = table[a, 0]
     S = np.concatenate((np.broadcast_to(ps.head_samples, (P, ps.head_samples.size)),
                         table[_own_receivers(ps, ms)].reshape(P, -1)), axis=1)
@@ -304,8 +315,8 @@ def _swap_batch(ps: _Pass, ms: np.ndarray, rel_tol: float) -> tuple[int, tuple[i
     tol = rel_tol * top
     tok_a = (T[a][:, None] - li) + lj
     tok_b = (T[ob] - lj) + li
-    new_a = bin_costs(cost, (A[a][:, None] - ci) + cj, tok_a, cnt[a][:, None])
-    new_b = bin_costs(cost, (A[ob] - cj) + ci, tok_b, cnt[ob])
+    new_a = bin_costs(cost, (A[a][:, None] - ci) + cj, tok_a, cnt[a][:, None] if ps.packed else 0)
+    new_b = bin_costs(cost, (A[ob] - cj) + ci, tok_b, cnt[ob] if ps.packed else 0)
     fits = (S >= 0) & (tok_a <= cap) & (tok_b <= cap)
     if extra is not None:
         xi, xj, Xt, xc = extra[0][i][:, None], extra[0][S], extra[1], extra[2]
@@ -342,7 +353,6 @@ def _receivers(ps: _Pass, a: int, m: int) -> np.ndarray:
     if real_idx.size - 1 <= 2 * _RECEIVERS:
         return real_idx[real_idx != a]
     ps.prep()
-    by_slot, order, top = ps.state  # type: ignore[misc]
     if np.isnan(ps.low):  # no unique headroom ranking
         return _receivers_exact(ps, a, m)
     nr, v, (last, above, at) = ps.n_real[m], ps.vals.reshape(-1), ps.ends
