@@ -40,8 +40,8 @@ def _case(seed: int, D: int, K: int, kind: str, values: str, layout: str, arrang
     1..5 ("ties": equal costs at every boundary), 1..300 ("ints": equal changes), 1..400 ("wide"), or
     0..3 without a per-micro cost ("zeros": real micro-batches that cost no more than a placeholder),
     or 1..400 with one sample's cost NaN ("nan");
-    ``layout``: bins drawn at random, some "crowded" and some empty (placeholders), or "spread" as the
-    planner leaves them (every bin real, most holding one or two samples)."""
+    ``layout``: bins drawn at random, some "crowded" and some empty (placeholders), one "piled" high,
+    or "spread" as the planner leaves them (every bin real, most holding one or two samples)."""
     rng = np.random.default_rng(seed)
     nb = D * K
     top = {"ties": 6, "ints": 301, "wide": 401, "zeros": 4, "nan": 401}[values]
@@ -59,6 +59,8 @@ def _case(seed: int, D: int, K: int, kind: str, values: str, layout: str, arrang
         bin_of = rng.integers(0, nb, n)
         if layout == "crowded":
             bin_of[rng.random(n) < 0.3] = rng.integers(0, max(1, nb // 4))
+        elif layout == "piled":  # one bin too full for the member table: probes scan the batch
+            bin_of[rng.random(n) < 0.4] = rng.integers(0, nb)
         lens = rng.integers(low, top, n)
     cost = _cost(kind, values)
     costs = cost.sample_costs(lens.astype(np.float64))
@@ -78,7 +80,7 @@ def _case(seed: int, D: int, K: int, kind: str, values: str, layout: str, arrang
 
 _KINDS = st.sampled_from(["additive", "packed", "token", "unrecognised"])
 _VALUES = st.sampled_from(["ties", "ints", "wide", "zeros", "nan"])
-_LAYOUTS = st.sampled_from(["random", "crowded", "spread"])
+_LAYOUTS = st.sampled_from(["random", "crowded", "spread", "piled"])
 
 
 @settings(max_examples=150)

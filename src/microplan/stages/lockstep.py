@@ -30,7 +30,8 @@ pass with a frozen one-slot-at-a-time copy, bit for bit).
 Cost: O(bins) numpy per change (the slots' order, the headroom ranking) and one batch of
 O(slots × receivers' samples) numpy per change; a slot whose heaviest micro-batch holds several
 samples is probed alone (O(its samples × receivers' samples)); O(n) per probe only when a bin holds
-more than ``_TABLE_WIDTH`` samples. At most ``max_iters`` probes (default min(2·K + 16, 64)).
+more samples than the table's width (``_TABLE_WIDTH``, and at most ``_TABLE_SLACK`` cells per sample
+in all). At most ``max_iters`` probes (default min(2·K + 16, 64)).
 Trade-off: the slot-blind bin refine leaves a spread of a few percent in the slots after the
 first, which this pass removes (benchmarks/bench_meter.py measures it). It stops within
 ``STOP_GAP`` (0.1 %) of its floor: the last fractions of a percent are the dearest.
@@ -47,7 +48,8 @@ __all__ = ["refine_lockstep", "apply_change"]
 _RECEIVERS = 24   # receiver bins examined per change: most headroom overall, and lightest of the slot
 STOP_GAP = 1e-3  # stop once Σ slot maxima is this close to its floor (the mean load per rank)
 _PATIENCE = 12    # changes without a strict gain (plateau moves) before giving up
-_TABLE_WIDTH = 64  # bins' samples kept in a [bins, width] table while no bin holds more; else found by scan
+_TABLE_WIDTH = 64  # bins' samples kept in a [bins, width] table while no bin holds more (and the table stays
+_TABLE_SLACK = 8   # within this many cells per sample); else each probe finds them by a scan over the batch
 
 
 def refine_lockstep(bin_of: np.ndarray, grid: np.ndarray, lens: np.ndarray, costs: np.ndarray,
@@ -170,7 +172,8 @@ class _Pass:
         self.finite = bool(np.isfinite(C).all())
         self.size = np.bincount(bin_of, minlength=nb)  # samples per bin, as the table holds them
         self.table: np.ndarray | None = None
-        if int(self.size.max()) <= _TABLE_WIDTH:
+        self.width = min(_TABLE_WIDTH, (_TABLE_SLACK * bin_of.size + 1024) // (nb + 1))  # the widest table kept
+        if int(self.size.max()) <= self.width:
             keys = bin_of.astype(np.uint16) if nb <= 1 << 16 else bin_of  # a stable sort is unique: radix is exact
             srt = np.argsort(keys, kind="stable")  # by bin, ascending samples within a bin
             start = np.cumsum(self.size) - self.size
@@ -267,7 +270,7 @@ class _Pass:
         if j >= 0:
             rows[a].append(j)
         w = max(len(rows[a]), len(rows[b]))
-        if w > _TABLE_WIDTH:
+        if w > self.width:
             self.table, self.batch = None, False
             return
         if w > self.table.shape[1]:
