@@ -167,7 +167,7 @@ class _Pass:
         self.A, self.T, self.C, self.cnt, self.extra = A, T, C, cnt, extra
         self.real, self.real_idx = real, np.flatnonzero(real)
         self.slot_of = np.empty(nb, dtype=np.int64)
-        self.slot_of[grid.reshape(-1)] = np.tile(np.arange(K), D)  # grid is [D, K] row-major
+        self.slot_of[grid] = np.arange(K)  # grid[r, m] is a bin of slot m
         self.slot_real = self.slot_of[self.real_idx]
         self.finite = bool(np.isfinite(C).all())
         self.size = np.bincount(bin_of, minlength=nb)  # samples per bin, as the table holds them
@@ -176,9 +176,9 @@ class _Pass:
         if int(self.size.max()) <= self.width:
             keys = bin_of.astype(np.uint16) if nb <= 1 << 16 else bin_of  # a stable sort is unique: radix is exact
             srt = np.argsort(keys, kind="stable")  # by bin, ascending samples within a bin
-            start = np.cumsum(self.size) - self.size
+            by_bin = bin_of[srt]
             self.table = np.full((nb + 1, int(self.size.max())), -1, dtype=np.int64)
-            self.table[bin_of[srt], np.arange(srt.size) - start[bin_of[srt]]] = srt
+            self.table[by_bin, np.arange(srt.size) - (np.cumsum(self.size) - self.size)[by_bin]] = srt
         # the slot-major bins, and per slot where its real bins end in its order (a batch's receivers)
         self.slot_bins, self.at = np.ascontiguousarray(grid.T).reshape(-1), (np.arange(K) * D)[:, None]
         nr = np.bincount(self.slot_real, minlength=K)
