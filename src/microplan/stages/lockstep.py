@@ -17,7 +17,8 @@ change reuses them; a probe ranks its own receivers (``_receivers_exact``) where
 ranking could differ from its own: a tie at the 24th receiver, a non-finite cost, or a slot whose
 real micro-batches do not all cost more than its placeholders. The probes a state can still make
 (the slots next in line, as far as patience and iterations reach) run as one batch of numpy
-operations, one row per slot (``_swap_batch``: heaviest micro-batches of one sample); the first
+operations, one row per slot (``_swap_batch``: heaviest micro-batches of one sample, bin costs
+computed element by element: additive, FlopsCost and TokenCost models); the first
 slot with a change is the one the pass applies, and the rows before it are the probes that found
 none. Every value a row compares is computed by the operations the one-slot probe
 (``_best_change``) applies to it, and ties between equally good changes go to the lowest sample
