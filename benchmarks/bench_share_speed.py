@@ -11,10 +11,7 @@ the plan's micro-batches (and with multiple 8), every micro-batch's ``PrefixTree
 ``micro_tree`` at a time and with ``micro_trees`` at once (absent on a tree without trie.py, so
 the script also runs on an older checkout for a before/after comparison).
 
-Measured (2026-11-25, a 2-core VM at load ~15, so absolute times are ~10x inflated; ratios in
-one window): GRPO 17x (the four packings of share.py are ~2/3 of it), chains 2.4-4.8x; the old
-code (a6c45ba) in the same window 59x and 53-86x: GRPO 15.1 s -> 4.4 s, chain 1,000 17.1 s ->
-0.78 s. Targets missed on this machine; see the JSON.
+Measurements: benchmarks/README.md (its Speed section) and the JSON files.
 
 Targets (issue 17): sharing within 3x of no sharing; <= 150 ms for the GRPO step; chain of
 1,500 <= 0.2 s (linear in n).
