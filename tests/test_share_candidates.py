@@ -215,6 +215,22 @@ def _check_floor(b: mp.Batch, cfg: mp.PlanConfig, frac: float) -> None:
         assert with_slack == (lay.run_time <= bound * (1 + granularity.SKIP_SLACK))
 
 
+def test_floor_counts_a_prefix_shared_across_trees_once(monkeypatch):
+    """Under local placement two trees of one owner may share the path of an ancestor held by
+    another rank: a micro-batch holding both stores it once, so the floor is the trie of the
+    owner's samples, not the sum of its trees' tries (which was above the plan: 61.9 vs 61.8 in
+    fuzz_share's case 2210)."""
+    monkeypatch.setattr(__import__(__name__), "event", lambda *a: None)
+    lens = np.array([400, 420, 430, 410, 440])
+    b = mp.Batch(lens, prefix_parent=[-1, 0, 0, 0, 0], shared_prefix_lens=[0, 300, 300, 300, 300],
+                 rank_of=[1, 0, 0, 1, 1])
+    cfg = mp.PlanConfig(dp_size=2, max_tokens_per_micro=2048, placement="local", sync="step",
+                        cost=mp.FlopsCost(linear=1.0, quadratic=0.0), share_prefixes=True)
+    _check_floor(b, cfg, 0.3)
+    b, kw, _ = draw_case(np.random.default_rng(2210), dynamic_cp=False)
+    _check_floor(b, mp.PlanConfig(share_prefixes=True, **{**kw, "steps": None}), 0.1)
+
+
 @given(bd=batches(), o=options(), frac=st.sampled_from([0.1, 0.3, 0.7]))
 def test_sharing_floor_is_below_every_candidate_over_compositions(bd, o, frac):
     b, dp = bd

@@ -43,6 +43,8 @@ import numpy as np
 from ..cost.models import is_additive
 from ..errors import PlanError
 from ..stats import k_lower_bound, unshared_step_bound
+from ..treecut import StepTrees
+from ..trie_sets import set_tries
 from .atoms import Atoms, StepForest, sample_atoms, tree_atoms
 from .cp_degrees import group_room
 from .context import PlanContext
@@ -144,10 +146,11 @@ def _skip_per_sample(cands: list[PlacedStep], samples: np.ndarray, ctx: PlanCont
 class _SharingFloor:
     """A lower bound of the predicted step time of every sharing candidate, where derived: an
     additive cost, no padding multiple, no context parallel, no byte budget (else never
-    reached). Every token of each tree's trie runs in some micro-batch at least once (a bin's row
-    holds at least the trie of its samples; under local placement a bin holds one owner's
-    samples), priced by the cost's additive ``tree_costs``, and every GPU-slot costs at least
-    ``per_micro``; so Σ_m max_r and max_r Σ_m are both at least (Σ tries' cost + vision) /
+    reached). Every token of the trie of the step's samples (of each owner's, under local
+    placement: a bin holds one owner's samples) runs in some micro-batch at least once (a bin's
+    row holds at least the trie of its samples; :func:`_union_trie`), priced by the cost's
+    additive ``tree_costs``, and every GPU-slot costs at least ``per_micro``; so Σ_m max_r and
+    max_r Σ_m are both at least (Σ tries' cost + vision) /
     dp_size + K · per_micro, K at least the step's ``k_lower_bound`` over its unique tokens (or a
     larger one the caller knows). O(trees), computed on first use."""
 
@@ -166,16 +169,29 @@ class _SharingFloor:
                 or cfg.memory is not None:  # a byte budget may run samples over the cap alone (memory/plan.py)
             return False
         if self.terms is None:
-            trees, n = self.forest.trees, int(self.samples.size)
-            work = sum(float(cost.tree_costs(t.exact.tokens, t.exact.depth_sq).sum())  # type: ignore[attr-defined]
-                       for t in trees)
-            unique = sum(int(t.exact.tokens.sum()) for t in trees)
+            n = int(self.samples.size)
+            tries = [_union_trie(t) for t in self.forest.trees]
+            work = sum(float(cost.tree_costs(tk, dsq).sum()) for tk, dsq in tries)  # type: ignore[attr-defined]
+            unique = sum(int(tk.sum()) for tk, _ in tries)
             if fp.vision_costs is not None:
                 work += float(fp.vision_costs[self.samples].sum())
             self.terms = (work / cfg.dp_size, k_lower_bound(cfg, n, unique, fp.vision(self.samples)))
         share, k = self.terms
         floor = share + max(k, k_lb or 0) * float(cost.per_micro)
         return best <= floor * (1 + SKIP_SLACK)
+
+
+def _union_trie(t: StepTrees) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, depth_sq) of the trie of the group's samples (a group: the step, or one owner's
+    samples under local placement), as arrays to price: each tree's own trie where no two trees can
+    share a token, else the one trie of all the group's samples. Two trees share tokens only through
+    a common ancestor outside the group (a sample of another step or rank), which a micro-batch
+    holding samples of both then stores once; so the sum of the trees' tries is no lower bound
+    there. Multiple 1 (the floor is derived for no padding multiple)."""
+    if t.roots.size < 2 or int(np.count_nonzero(t.ep[t.roots] >= 0)) < 2:
+        return t.exact.tokens, t.exact.depth_sq
+    one = set_tries(t.parent, t.shared, t.lens, t.uniq, np.zeros(t.uniq.size, dtype=np.int64), 1)
+    return one.tokens, one.depth_sq
 
 
 def _dynamic_cp_candidates(samples: np.ndarray, ctx: PlanContext, attempt) -> tuple[list[Atoms], list[PlacedStep]]:
