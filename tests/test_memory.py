@@ -282,3 +282,31 @@ def test_from_hf_config_prices_dense_and_moe_layers_each_by_its_own_width():
     for cfg, want in ((LLAMA, (26880.0, 19712.0)), (moe, (32512.0, 20224.0))):
         got = tuple(mp.MemoryModel.from_hf_config(cfg, gradient_checkpointing=ck, **kw).per_token for ck in (False, True))
         assert got == want
+
+
+def test_cp_bytes_are_the_fullest_gpus():
+    """Over a CP group of c GPUs the fullest GPU holds ⌈T/c⌉ of a row's T tokens (the zigzag cut,
+    ``footprint.gpu_tokens``), so its linear bytes are per_token·⌈T/c⌉: a 33-token sample over 2
+    GPUs adds 1e6 + 30,000·17 bytes there, not 1e6 + 30,000·16.5 (which passed the alone check and
+    then met a token cap of 2 × 16 = 32 that refused it as too long)."""
+    m = mp.MemoryModel(per_token=30_000.0, per_micro=1e6)
+    b, cp = mp.Batch([33]), mp.ContextParallel(size=2)
+    with pytest.raises(mp.PlanError, match=r"sample 0 \(33 tokens\) alone over a CP group of 2 GPUs .*1,510,000"):
+        mp.plan(b, mp.PlanConfig(dp_size=1, memory=m, max_bytes_per_micro=1_509_999, context_parallel=cp))
+    plan = mp.plan(b, mp.PlanConfig(dp_size=1, memory=m, max_bytes_per_micro=1_510_000, context_parallel=cp))
+    plan.validate()
+    assert plan.stats.max_micro_bytes == 1_510_000
+
+
+def test_vision_bytes_beside_tokens_run_samples_alone():
+    """Bytes priced on a second resource (vision patches) can put a micro-batch over the budget at
+    every token cap that holds each sample: two 21-token samples of 30 patches each fit a 42-token
+    cap together (2.56 MB) but not the 2.26 MB budget the 42-token sample alone needs. The search
+    then lets samples longer than its cap run alone (as under a dense mask) instead of refusing."""
+    m = mp.MemoryModel(per_token=30_000.0, per_micro=1e6, per_vision_token=5_000.0)
+    b = mp.Batch([42, 21, 21], vision_tokens=[0, 30, 30])
+    cfg = mp.PlanConfig(dp_size=1, memory=m, max_bytes_per_micro=2_260_000, max_vision_tokens_per_micro=60)
+    plan = mp.plan(b, cfg)
+    plan.validate()
+    assert plan.stats.max_micro_bytes <= 2_260_000
+    assert sorted(len(mb.indices) for mb in plan.steps[0].micros[0]) == [1, 1, 1]

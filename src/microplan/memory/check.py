@@ -3,9 +3,10 @@
 Design note. A micro-batch's bytes are read from the same footprint as its tokens and its cost
 (``footprint.py``: padding multiples, the row pad, padded ``[n, W]`` rows, prefix tries, vision
 patches), priced by the memory model's terms as a cost model in bytes
-(:meth:`MemoryModel.as_cost`), then per GPU: a micro-batch over a CP group of c GPUs holds
-``(bytes − per_micro)/c + per_micro + kv_per_token·T`` on each (its share of the row, plus the
-gathered keys/values of the whole row), and never less than ``floor``. One function
+(:meth:`MemoryModel.as_cost`), then per GPU: a micro-batch of T tokens over a CP group of c GPUs
+holds ``per_token·⌈T/c⌉ + (bytes − per_micro − per_token·T)/c + per_micro + kv_per_token·T`` on
+its fullest GPU (the ⌈T/c⌉ rows the zigzag cut gives it, ``footprint.gpu_tokens``, its share of
+the other terms, plus the gathered keys/values of the whole row), and never less than ``floor``. One function
 (:func:`bin_bytes`) serves the budget search, ``Plan.validate`` and ``Plan.stats``.
 
 The invariant (DESIGN.md, invariant 3): with ``PlanConfig(memory=M, max_bytes_per_micro=B)``
@@ -56,10 +57,13 @@ def bin_bytes(fp: Footprint, model: MemoryModel, samples: np.ndarray, bin_of: np
     for phase in model.phases():  # the peak is the largest phase's
         tokens, raw = bin_footprint(bfp, phase.as_cost(), samples, bin_of, num_bins, forest=forest)
         raw = np.where(empty, phase.per_micro + phase.per_token, raw)
-        if forest is not None and model.tree_factor != 1.0:  # path tables, gathered path keys
-            raw = raw * model.tree_factor
-        per_gpu = np.where(c > 1, (raw - phase.per_micro) / np.maximum(c, 1.0) + phase.per_micro
-                           + model.kv_per_token * tokens, raw)
+        scale = model.tree_factor if forest is not None else 1.0
+        if scale != 1.0:  # path tables, gathered path keys
+            raw = raw * scale
+        cw = np.maximum(c, 1.0)
+        lin = scale * phase.per_token * tokens   # the fullest GPU holds ⌈T/c⌉ of the row's T tokens (gpu_tokens)
+        per_gpu = np.where(c > 1, (raw - phase.per_micro - lin) / cw + scale * phase.per_token * np.ceil(tokens / cw)
+                           + phase.per_micro + model.kv_per_token * tokens, raw)
         out = np.maximum(out, per_gpu)
     return np.ceil(out).astype(np.int64)
 

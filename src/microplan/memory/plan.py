@@ -17,6 +17,13 @@ every micro-batch's bytes:
    (a dense-mask model: two short samples at the longest sample's length hold more than it alone),
    a PlanError names the micro-batch and the fix.
 
+Samples alone as the fallback. A second priced resource (vision patches, ``per_vision_token``)
+can put a micro-batch over the budget at every token cap that holds each sample (short samples
+with many patches packed together); where the layout lets a sample run alone (plain varlen rows,
+no padding multiples, sharing or CP) the search then runs again as under a dense mask below, in
+which cap 1 (every sample alone) always fits. Configs whose first search finds a cap plan as
+before.
+
 Dense masks. Under a model with a packed-row term (``per_row_sq``: transformers' sdpa/eager over
 a packed row) a lone sample pays no mask, so a sample of L tokens may fit alone while a pack of
 two shorter ones at the same L does not: no token cap is safe there. For a varlen layout without
@@ -29,7 +36,8 @@ fits alone by step 1); the plan's config carries max(C, the longest sample) as i
 The plan's config carries the cap chosen (``max_tokens_per_micro``) beside the memory model, so
 ``Plan.validate`` checks both and planning again from ``plan.config`` gives the same plan (its
 cap is tried first; not guaranteed when long samples ran alone, whose cap is the longest
-sample). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most.
+sample). Cost: one plan per bisection step, ⌈log2(hi − lo)⌉ + 2 plans at most (twice that
+when the fallback runs).
 """
 
 from __future__ import annotations
@@ -84,10 +92,15 @@ def pack_token_bound(cfg: PlanConfig) -> int:
     return max(1, int(best))
 
 
+def _lone_layout(cfg: PlanConfig) -> bool:
+    """Plain varlen rows, no sharing, no CP: a sample may run alone in a micro-batch of its own."""
+    return (cfg.layout == "varlen" and cfg.pad_to_multiple_of == 1 and cfg.pad_row_to_multiple_of == 1
+            and not cfg.share_prefixes and cfg.context_parallel is None)
+
+
 def _lone_mode(cfg: PlanConfig) -> bool:
-    """Dense model, plain varlen rows, no sharing, no CP: long samples may run alone."""
-    return (cfg.memory is not None and cfg.memory.dense and cfg.layout == "varlen" and cfg.pad_to_multiple_of == 1
-            and cfg.pad_row_to_multiple_of == 1 and not cfg.share_prefixes and cfg.context_parallel is None)
+    """Dense model in a lone layout: long samples run alone from the start."""
+    return cfg.memory is not None and cfg.memory.dense and _lone_layout(cfg)
 
 
 def lone_context(ctx: PlanContext, cap: int) -> PlanContext:
@@ -141,9 +154,27 @@ def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[..., Plan
     """Plan ``batch`` so every micro-batch's predicted bytes fit ``config.max_bytes_per_micro``
     (see the module note); ``build(batch, cfg, lone_above)`` plans under a token cap."""
     _check_alone(batch, config)
-    lone = _lone_mode(config)
-    hi = pack_token_bound(config) if lone else byte_token_bound(config)
     fp = footprint_of(batch, config)
+    lone = _lone_mode(config)
+    try:
+        return _search(batch, config, build, fp, lone)
+    except _NoCap as exc:
+        if lone or not _lone_layout(config):
+            raise PlanError(str(exc)) from None
+        try:  # a second priced resource (vision patches) beside the tokens: long samples alone
+            return _search(batch, config, build, fp, True)
+        except _NoCap:
+            raise PlanError(str(exc)) from None
+
+
+class _NoCap(Exception):
+    """No token cap of the search kept every micro-batch under the budget (its message)."""
+
+
+def _search(batch: Batch, config: PlanConfig, build: Callable[..., Plan], fp: Footprint, lone: bool) -> Plan:
+    """The largest token cap, by bisection, whose plan fits the budget (``lone``: samples longer
+    than the cap run alone); _NoCap when even the least cap does not fit."""
+    hi = pack_token_bound(config) if lone else byte_token_bound(config)
     longest = int(fp.sample_tokens.max())
     if config.max_tokens_per_micro is not None:
         hi = min(hi, config.max_tokens_per_micro)
@@ -182,9 +213,10 @@ def plan_with_memory(batch: Batch, config: PlanConfig, build: Callable[..., Plan
                     top = mid
             return best
     s, r, m, nbytes = bad if bad is not None else first_bad
-    raise PlanError(f"no token cap keeps every micro-batch under max_bytes_per_micro={config.max_bytes_per_micro:,}: "
-                    f"at the least cap that holds every sample ({lo:,} tokens), step {s}, rank {r}, micro {m} is "
-                    f"predicted to add {nbytes:,} bytes (margin {config.memory.margin:.1%} on top). The memory "
-                    "model charges packed rows more than lone samples (a dense mask); use a per-sample attention "
-                    "kernel (flash-attn varlen, microplan.torch.register_attention()), plain varlen rows without "
-                    f"padding multiples, sharing or CP (then long samples run alone), or {FIXES}.")
+    raise _NoCap(f"no token cap keeps every micro-batch under max_bytes_per_micro={config.max_bytes_per_micro:,}: "
+                 f"at the least cap that holds every sample ({lo:,} tokens), step {s}, rank {r}, micro {m} is "
+                 f"predicted to add {nbytes:,} bytes (margin {config.memory.margin:.1%} on top). The memory "  # type: ignore[union-attr]
+                 "model charges a packed row more than its samples alone (a dense mask, or vision patches "
+                 "packed beside the tokens); use a per-sample attention "
+                 "kernel (flash-attn varlen, microplan.torch.register_attention()), plain varlen rows without "
+                 f"padding multiples, sharing or CP (then long samples run alone), or {FIXES}.")

@@ -376,5 +376,5 @@ def _short_message(step: int, n: int, K: int | None, cfg: PlanConfig) -> str:
     D, a = cfg.dp_size, cfg.align
     target = f"the aligned target is {D * K} micro-batches (dp_size={D} × {K} per rank, align={a})" if K else \
         f"the micro-batch count must be a multiple of dp_size × align = {D} × {a} = {D * a}"
-    return (f"step {step}: {n} samples cannot fill every rank with non-empty micro-batches: {target}, but the "
-            "samples cannot be split into that many micro-batches.")
+    return (f"step {step}: {n} sample{'s' if n != 1 else ''} cannot fill every rank with non-empty micro-batches: "
+            f"{target}, but the samples cannot be split into that many micro-batches.")
