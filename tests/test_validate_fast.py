@@ -168,3 +168,21 @@ def test_local_dp_1024_one_loaded_rank_validates():
     plan = mp.plan(b, mp.PlanConfig(dp_size=1024, max_tokens_per_micro=8192, placement="local"))
     plan.validate()
     assert plan.stats.num_placeholders > 1023 * (plan.steps[0].micro_count - 1)
+
+
+def test_an_index_out_of_range_on_a_cp_member_is_named_not_an_index_error():
+    """A micro-batch whose cp_rank was edited off 0 and whose index is out of range: the coverage
+    check skips it (only cp_rank-0 members count) and used to mark its indices seen unchecked
+    (IndexError); now the micro-batch checks name the index (found by HYPOTHESIS_PROFILE=dev)."""
+    plan = mp.plan(mp.Batch([1, 1]), mp.PlanConfig(dp_size=1, max_tokens_per_micro=2))
+    micro = plan.steps[0].micros[0][0]
+    ix = micro.indices.copy()
+    ix[0] = 7
+    ix.setflags(write=False)
+    bad = Micro._trusted(ix, micro.seq_lens, micro.loss_tokens, micro.loss_scale, micro.cp_size, micro.cp_rank + 1,
+                         micro.cp_group, micro.tree, footprint=micro.footprint)
+    steps = [replace(plan.steps[0], micros=((bad,),))]
+    tampered = mp.Plan(batch=plan.batch, config=plan.config, steps=steps, dropped=plan.dropped,
+                       drop_reasons=plan.drop_reasons)
+    fast, slow = _both(tampered)
+    assert fast is not None and fast == slow
