@@ -327,12 +327,8 @@ def _swap_batch(ps: _Pass, ms: np.ndarray, rel_tol: float) -> tuple[int, tuple[i
         fits &= ((Xt[a][:, None] - xi) + xj <= xc) & ((Xt[ob] - xj) + xi <= xc)
     rm = np.where(ob == (ps.bins[ms, 1][:, None] if D > 1 else -1), ps.vals[ms, 2][:, None] if D > 2 else 0.0,
                   ps.vals[ms, 1][:, None] if D > 1 else 0.0)  # slot m's max without a and the receiver
-    om = slot_max[so]
-    d_same = np.maximum(np.maximum(new_a, new_b), rm) - top
-    d_other = (np.maximum(new_a, rm) - top) + (np.maximum(om, new_b) - om)
-    delta = np.where(fits, np.where(so == ms[:, None], d_same, d_other), np.inf)
-    side = (delta <= tol * 1e-3) & (new_a <= top - tol) & (new_b <= top - tol)  # as _pick
-    score = np.where(delta < -tol, delta, np.where(side, -(top - new_a) * 1e-12, np.inf))
+    delta = _delta(fits, so == ms[:, None], new_a, new_b, rm, top, slot_max[so])
+    score = _score(delta, new_a, new_b, top, tol)
     low = score.min(axis=1)
     hit = np.flatnonzero(np.isfinite(low))
     if not hit.size:
@@ -396,10 +392,28 @@ def _pick(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float, t
     """
     if delta.size == 0:
         return None
-    side = (delta <= tol * 1e-3) & (new_a <= top - tol) & (new_b <= top - tol)
-    score = np.where(delta < -tol, delta, np.where(side, -(top - new_a) * 1e-12, np.inf))
+    score = _score(delta, new_a, new_b, top, tol)
     k = int(np.argmin(score))
     return k if np.isfinite(score.flat[k]) else None
+
+
+def _score(delta: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, top: float | np.ndarray,
+           tol: float | np.ndarray) -> np.ndarray:
+    """Each change's rank for :func:`_pick` (lower is better; inf: not acceptable): its gain when strict,
+    else a tiny bonus for how far a sideways move brings bin a below the maximum (``top``, ``tol``:
+    scalars or per-row columns of a batch)."""
+    side = (delta <= tol * 1e-3) & (new_a <= top - tol) & (new_b <= top - tol)
+    return np.where(delta < -tol, delta, np.where(side, -(top - new_a) * 1e-12, np.inf))
+
+
+def _delta(fits: np.ndarray, same: np.ndarray, new_a: np.ndarray, new_b: np.ndarray, rest: np.ndarray | float,
+           top: float | np.ndarray, other_max: np.ndarray) -> np.ndarray:
+    """Change of Σ slot maxima for each change out of slot m's heaviest bin (``top``): bin a becomes
+    ``new_a`` and the receiver ``new_b``; ``rest``: slot m's maximum without both; a receiver of another
+    slot (``same`` False) raises that slot's maximum ``other_max`` only above it; inf where it does not fit."""
+    d_same = np.maximum(np.maximum(new_a, new_b), rest) - top
+    d_other = (np.maximum(new_a, rest) - top) + (np.maximum(other_max, new_b) - other_max)
+    return np.where(fits, np.where(same, d_same, d_other), np.inf)
 
 
 def _best_change(ps: _Pass, a: int, m: int, *, tol: float) -> tuple[int, int, int] | None:
@@ -422,10 +436,7 @@ def _best_change(ps: _Pass, a: int, m: int, *, tol: float) -> tuple[int, int, in
         fits = T[recv][None] + li[:, None] <= cap
         if extra is not None:
             fits = fits & (extra[1][recv][None] + extra[0][members][:, None] <= extra[2])
-        other_max = slot_max[slot_of[recv]][None]
-        d_same = np.maximum(np.maximum(new_a, new_b), rest_m[None]) - top
-        d_other = (np.maximum(new_a, rest_m[None]) - top) + (np.maximum(other_max, new_b) - other_max)
-        delta = np.where(fits, np.where((slot_of[recv] == m)[None], d_same, d_other), np.inf)
+        delta = _delta(fits, (slot_of[recv] == m)[None], new_a, new_b, rest_m[None], top, slot_max[slot_of[recv]][None])
         k = _pick(delta, new_a, new_b, top, tol)
         if k is not None:
             i, bj = divmod(k, recv.size)
@@ -444,10 +455,7 @@ def _best_change(ps: _Pass, a: int, m: int, *, tol: float) -> tuple[int, int, in
             xi, xj, Xt, xc = extra[0][members], extra[0][others], extra[1], extra[2]
             fits &= (Xt[a] - xi[:, None] + xj[None] <= xc) & ((Xt[ob] - xj)[None] + xi[:, None] <= xc)
         rm = np.where(ob == second, third_val, second_val)[None]
-        om = slot_max[so][None]
-        d_same = np.maximum(np.maximum(new_a, new_b), rm) - top
-        d_other = (np.maximum(new_a, rm) - top) + (np.maximum(om, new_b) - om)
-        delta = np.where(fits, np.where((so == m)[None], d_same, d_other), np.inf)
+        delta = _delta(fits, (so == m)[None], new_a, new_b, rm, top, slot_max[so][None])
         k = _pick(delta, new_a, new_b, top, tol)
         if k is not None and (best is None or delta.flat[k] < best[0] - tol):
             i, jj = divmod(k, others.size)
